@@ -1,0 +1,17 @@
+"""Process groups, comm streams and cross-rank validation (see ARCHITECTURE.md)."""
+from .group import (
+    LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
+    world_size,
+)
+from .streams import comm_stream, join_comm_stream, keep_alive, on_comm_stream
+from .validate import (
+    InputError, Signature, TensorMeta, agree, differs, exchange, op_code, set_validation,
+    validation_enabled,
+)
+
+__all__ = [
+    "LOCAL", "GroupError", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
+    "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
+    "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
+    "set_validation", "validation_enabled", "world_size",
+]

@@ -1,0 +1,164 @@
+"""Cross-rank validation: the same clear error on every rank, before any collective.
+
+A collective that some ranks skip hangs the group, so a rank must never raise on its own. Each op
+call builds a fixed-size integer *signature* of its inputs (op, method, every tensor's shape, dtype
+and device, and whatever else the op must agree on), the ranks exchange signatures with one small
+``all_gather_into_tensor`` of fixed length (so the exchange itself cannot mismatch), and every rank
+runs the same check over the same list. The error message is a pure function of that list, so every
+rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
+whether a fast path is usable everywhere) are made from the gathered list too.
+
+The exchange costs one tiny collective per call (and a host sync on NCCL). ``set_validation(False)``
+or ``PYFUSED_VALIDATE=0`` skips it for scripts known to be correct: the local checks still run, but
+ranks that disagree on shapes may then hang, as they would with plain torch.distributed.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .group import comm_device, world_size
+
+MAX_DIMS = 8
+SIG_LEN = 96
+
+_DTYPES = [
+    None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_DEVICES = [None, "cpu", "cuda", "meta", "other"]
+_op_names: Dict[int, str] = {}
+
+_enabled = os.environ.get("PYFUSED_VALIDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class InputError(ValueError):
+    """Bad input to a pyfused op; raised with the same message on every rank of the group."""
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the per-call cross-rank exchange on (default) or off (local checks only)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def validation_enabled() -> bool:
+    return _enabled
+
+
+def op_code(name: str) -> int:
+    code = zlib.crc32(name.encode()) & 0x3FFFFFFF
+    _op_names[code] = name
+    return code
+
+
+def op_name(code: int) -> str:
+    return _op_names.get(code, f"<op #{code}>")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: Optional[Tuple[int, ...]]  # None: the tensor was not given
+    dtype: Optional[torch.dtype]
+    device: Optional[str]
+
+    @staticmethod
+    def of(t: Optional[torch.Tensor]) -> "TensorMeta":
+        if t is None:
+            return TensorMeta(None, None, None)
+        dev = t.device.type if t.device.type in _DEVICES else "other"
+        return TensorMeta(tuple(t.shape), t.dtype, dev)
+
+    def describe(self) -> str:
+        if self.shape is None:
+            return "None"
+        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')} on {self.device}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    op: int
+    ints: Tuple[int, ...]
+    tensors: Tuple[TensorMeta, ...]
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op)
+
+    def encode(self) -> List[int]:
+        out = [self.op, len(self.ints), *self.ints, len(self.tensors)]
+        for t in self.tensors:
+            if t.shape is None:
+                out += [0] * (4 + MAX_DIMS)
+                continue
+            ndim = len(t.shape) if len(t.shape) <= MAX_DIMS else -1
+            shape = list(t.shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(t.shape), MAX_DIMS))
+            dt = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+            out += [1, ndim, *shape, dt, _DEVICES.index(t.device)]
+        if len(out) > SIG_LEN:
+            raise ValueError(f"signature of {self.name} too long ({len(out)} > {SIG_LEN})")
+        return out + [0] * (SIG_LEN - len(out))
+
+    @staticmethod
+    def decode(v: Sequence[int]) -> "Signature":
+        op, n_ints = v[0], v[1]
+        ints = tuple(v[2:2 + n_ints])
+        pos = 2 + n_ints
+        n_t = v[pos]
+        pos += 1
+        tensors = []
+        for _ in range(n_t):
+            present, ndim = v[pos], v[pos + 1]
+            shape = v[pos + 2:pos + 2 + MAX_DIMS]
+            dt, dev = v[pos + 2 + MAX_DIMS], v[pos + 3 + MAX_DIMS]
+            pos += 4 + MAX_DIMS
+            if not present:
+                tensors.append(TensorMeta(None, None, None))
+                continue
+            dims = tuple(shape[:ndim]) if ndim >= 0 else (-1,) * (MAX_DIMS + 1)
+            tensors.append(TensorMeta(dims, _DTYPES[dt] if dt >= 0 else None, _DEVICES[dev]))
+        return Signature(op, ints, tuple(tensors))
+
+
+def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]:
+    """Every rank's signature, in group-rank order (just ``[sig]`` for one rank or validation off)."""
+    encoded = sig.encode()
+    if world_size(pg) == 1 or not _enabled:
+        return [sig]
+    dev = comm_device(pg)
+    mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
+    every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
+    dist.all_gather_into_tensor(every, mine, group=pg)
+    rows = every.view(world_size(pg), SIG_LEN).tolist()
+    return [Signature.decode(r) for r in rows]
+
+
+def differs(sigs: Sequence[Signature], what: str, key: Callable[[Signature], object],
+            show: Callable[[Signature], str] = None) -> Optional[str]:
+    """A message naming the first rank whose ``key`` differs from rank 0's, or None."""
+    show = show or (lambda s: str(key(s)))
+    for r, s in enumerate(sigs[1:], start=1):
+        if key(s) != key(sigs[0]):
+            return f"{what} differs between ranks: rank 0 has {show(sigs[0])}, rank {r} has {show(s)}"
+    return None
+
+
+def agree(pg: Optional[dist.ProcessGroup], sig: Signature,
+          check: Callable[[List[Signature]], Optional[str]]) -> List[Signature]:
+    """Exchange signatures and raise the same ``InputError`` on every rank if ``check`` objects.
+
+    ``check`` sees the list of all ranks' signatures (only this rank's when validation is off) and
+    returns an error message or None. It runs after a check that every rank called the same op.
+    """
+    sigs = exchange(pg, sig)
+    msg = differs(sigs, "the op called", lambda s: s.op, lambda s: s.name)
+    if msg is None:
+        msg = check(sigs)
+    if msg is not None:
+        raise InputError(f"pyfused.{sig.name}: {msg}")
+    return sigs

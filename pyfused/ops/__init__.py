@@ -1,0 +1,15 @@
+"""Functional fused ops: GEMM + collective, each with methods unfused | decomposed | fused | auto.
+
+Each is a ``torch.library`` custom op (``torch.ops.pyfused.<name>``, 2-D, with a fake implementation
+and registered autograd) under a functional wrapper that validates across ranks and reshapes.
+"""
+from ._common import METHODS, MethodUnavailable
+from .all_gather_matmul import all_gather_matmul, all_gather_matmul_ref
+from .matmul_all_reduce import matmul_all_reduce, matmul_all_reduce_ref
+from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_ref
+from ..comm import InputError
+
+__all__ = [
+    "METHODS", "InputError", "MethodUnavailable", "all_gather_matmul", "all_gather_matmul_ref",
+    "matmul_all_reduce", "matmul_all_reduce_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
+]

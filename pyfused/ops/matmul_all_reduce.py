@@ -1,0 +1,98 @@
+"""``matmul_all_reduce(a, b) = all_reduce(a @ b)`` (sum) -- a row-parallel layer without sequence
+parallelism.
+
+Shapes: ``a`` is ``[d0, ..., K]``, ``b`` is ``[K, N]`` (same shapes on every rank); the result is
+``[d0, ..., N]``, the same tensor on every rank.
+
+Methods
+  * unfused: one GEMM, then ``all_reduce``.
+  * decomposed: the rows are cut into ``chunks`` pieces; as soon as piece i's GEMM is queued its
+    all-reduce is launched asynchronously, so it runs while piece i+1 is multiplied. The all-reduces
+    are joined at the end.
+  * fused: symmetric-memory kernels (``pyfused.ops._fused``), where built.
+
+Autograd follows the tensor-parallel convention (Megatron's row-parallel layer): the output is
+*replicated*, a loss computed from it is counted once, so its gradient arrives identical on every
+rank and flows back without communication: grad_a = grad @ b^T, grad_b = a^T @ grad.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from . import _common, _fused
+
+OP = "matmul_all_reduce"
+DEFAULT_CHUNKS = 4
+
+
+def matmul_all_reduce_ref(a_per_rank: Sequence[Tensor], b_per_rank: Sequence[Tensor]) -> Tensor:
+    """fp32 (fp64 for fp64 inputs) reference on one device: sum_q a_q @ b_q."""
+    dt = torch.promote_types(b_per_rank[0].dtype, torch.float32)
+    return sum(torch.matmul(a.to(dt), b.to(dt)) for a, b in zip(a_per_rank, b_per_rank))
+
+
+def _unfused(a: Tensor, b: Tensor, pg) -> Tensor:
+    out = a @ b
+    if comm.world_size(pg) > 1:
+        dist.all_reduce(out, group=pg)
+    return out
+
+
+def chunked_matmul_all_reduce(a: Tensor, b: Tensor, pg, chunks: int) -> Tensor:
+    """The decomposed schedule on 2-D ``a``: GEMM row piece i while piece i-1 is all-reduced."""
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    pending = []
+    for a_piece, out_piece in zip(torch.tensor_split(a, chunks), torch.tensor_split(out, chunks)):
+        if a_piece.shape[0] == 0:
+            continue
+        torch.matmul(a_piece, b, out=out_piece)
+        pending.append(dist.all_reduce(out_piece, group=pg, async_op=True))
+    for work in pending:
+        work.wait()
+    return out
+
+
+@torch.library.custom_op("pyfused::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, chunks: int) -> Tensor:
+    """2-D op: sum over ranks of a @ b, on every rank."""
+    pg = comm.group_from_name(group_name)
+    if method == "fused":
+        return _fused.run(OP, a, b, pg)
+    if method == "decomposed" and comm.world_size(pg) > 1:
+        return chunked_matmul_all_reduce(a, b, pg, max(1, min(chunks or DEFAULT_CHUNKS, a.shape[0])))
+    return _unfused(a, b, pg)
+
+
+@_matmul_all_reduce_op.register_fake
+def _(a, b, group_name, method, chunks):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b = inputs[0], inputs[1]
+    ctx.save_for_backward(a, b)
+
+
+def _backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    grad_a = grad_out @ b.t() if ctx.needs_input_grad[0] else None
+    grad_b = a.t() @ grad_out if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None, None
+
+
+_matmul_all_reduce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
+                      chunks: int = 0) -> Tensor:
+    """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
+    sets how many row pieces overlap their all-reduce with the next GEMM."""
+    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=False)
+    out = torch.ops.pyfused.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
+                                              choice.method, chunks or choice.chunks)
+    return out.view(*a.shape[:-1], b.shape[1])

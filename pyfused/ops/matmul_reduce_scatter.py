@@ -1,0 +1,119 @@
+"""``matmul_reduce_scatter(a, b) = reduce_scatter(a @ b, dim=0)`` (sum) -- the row-parallel /
+sequence-parallel output side of a tensor-parallel layer.
+
+Shapes: ``a`` is ``[M, ..., K]`` with M divisible by the world size W (same shape on every rank),
+``b`` is ``[K, N]``; the result is ``[M/W, ..., N]``: rows r*M/W..(r+1)*M/W of sum_q a_q @ b_q.
+
+Methods
+  * unfused: one GEMM, then ``reduce_scatter_tensor``.
+  * decomposed: a ring of W steps. At step s rank r computes the partial product of chunk
+    c = (r - s - 1) mod W, adds the running sum for c received from rank r-1, and sends it on to r+1;
+    the GEMM of step s+1 runs while step s's send/recv are in flight. After W steps rank r holds the
+    full sum of its own chunk c = r. Partial sums travel in the input dtype, as NCCL's do.
+  * fused: symmetric-memory kernels (``pyfused.ops._fused``), where built.
+
+Autograd: grad_a = all_gather(grad) @ b^T (``all_gather_matmul``, same method, overlapped);
+grad_b = a^T @ all_gather(grad), reusing the gathered gradient of that call.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from . import _common, _fused
+
+OP = "matmul_reduce_scatter"
+
+
+def matmul_reduce_scatter_ref(a_per_rank: Sequence[Tensor], b_per_rank: Sequence[Tensor],
+                              rank: int) -> Tensor:
+    """fp32 (fp64 for fp64 inputs) reference on one device: rank ``rank``'s chunk of sum_q a_q @ b_q."""
+    dt = torch.promote_types(b_per_rank[0].dtype, torch.float32)
+    total = sum(torch.matmul(a.to(dt), b.to(dt)) for a, b in zip(a_per_rank, b_per_rank))
+    m = total.shape[0] // len(a_per_rank)
+    return total[rank * m:(rank + 1) * m]
+
+
+def _unfused(a: Tensor, b: Tensor, pg) -> Tensor:
+    w = comm.world_size(pg)
+    full = a @ b
+    if w == 1:
+        return full
+    out = full.new_empty((full.shape[0] // w, full.shape[1]))
+    dist.reduce_scatter_tensor(out, full, group=pg)
+    return out
+
+
+def chunked_ring_matmul_reduce_scatter(a: Tensor, b: Tensor, pg) -> Tensor:
+    """The decomposed schedule on 2-D ``a`` [M, K]; returns this rank's [M/W, N] chunk of the sum."""
+    w, r = comm.world_size(pg), comm.rank(pg)
+    m = a.shape[0] // w
+    to_next = comm.global_rank(pg, (r + 1) % w)
+    from_prev = comm.global_rank(pg, (r - 1) % w)
+    pending, incoming = [], None
+    for step in range(w):
+        c = (r - step - 1) % w
+        partial = torch.matmul(a[c * m:(c + 1) * m], b)  # overlaps the previous step's transfers
+        for work in pending:
+            work.wait()
+        if step > 0:
+            partial.add_(incoming)
+        pending = []
+        if step < w - 1:
+            incoming = torch.empty_like(partial)
+            pending = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, partial, to_next, pg),
+                dist.P2POp(dist.irecv, incoming, from_prev, pg),
+            ])
+    return partial
+
+
+@torch.library.custom_op("pyfused::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: Tensor, b: Tensor, group_name: str, method: str) -> Tensor:
+    """2-D op: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b."""
+    pg = comm.group_from_name(group_name)
+    if method == "fused":
+        return _fused.run(OP, a, b, pg)
+    if method == "decomposed" and comm.world_size(pg) > 1:
+        return chunked_ring_matmul_reduce_scatter(a, b, pg)
+    return _unfused(a, b, pg)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a, b, group_name, method):
+    w = comm.world_size(comm.group_from_name(group_name))
+    return a.new_empty((a.shape[0] // w, b.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, group_name, method = inputs
+    ctx.group_name = group_name
+    ctx.method = method
+    ctx.save_for_backward(a, b)
+
+
+def _backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    method = _common.backward_method(ctx.method, "all_gather_matmul")
+    # The all-gather of grad_out is needed for grad_a's GEMM and kept for grad_b's.
+    grad_a, gathered = torch.ops.pyfused.all_gather_matmul(grad_out, b.t(), ctx.group_name, method,
+                                                           need_b)
+    grad_b = a.t() @ gathered if need_b else None
+    return (grad_a if need_a else None), grad_b, None, None
+
+
+_matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
+    """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
+    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=True)
+    w = comm.world_size(pg)
+    out = torch.ops.pyfused.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
+                                                  choice.method)
+    return out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])

@@ -1,0 +1,67 @@
+"""Rank bodies shared by the three GEMM+collective op tests.
+
+Every rank builds all ranks' inputs from one seed, so it can compute the single-device fp64
+reference of the whole group with autograd, then compares its own output and gradients with it.
+Losses: for all_gather_matmul and matmul_reduce_scatter each rank's output is a different tensor, so
+the reference loss is sum_q <Y_q, G_q>; for matmul_all_reduce the output is replicated and the loss
+is counted once, <Y, G> with the same G on every rank (the tensor-parallel convention).
+"""
+from __future__ import annotations
+
+import torch
+
+import pyfused.ops as ops
+from pyfused.comm import InputError
+from tests.utils import assert_close, rank_tensors
+
+OPS = {
+    "all_gather_matmul": ops.all_gather_matmul,
+    "matmul_reduce_scatter": ops.matmul_reduce_scatter,
+    "matmul_all_reduce": ops.matmul_all_reduce,
+}
+
+
+def reference(op: str, a64, b64, rank: int, world: int):
+    if op == "all_gather_matmul":
+        return [ops.all_gather_matmul_ref(a64, b64[q]) for q in range(world)]
+    if op == "matmul_reduce_scatter":
+        return [ops.matmul_reduce_scatter_ref(a64, b64, q) for q in range(world)]
+    return [ops.matmul_all_reduce_ref(a64, b64)]
+
+
+def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, backward=True):
+    """Forward (and backward) of ``op`` on this rank == the fp64 single-device reference."""
+    k = a_shape[-1]
+    a_all = rank_tensors(seed, world, a_shape, dtype)
+    b_all = rank_tensors(seed + 1, world, (k, n), dtype, scale=k ** -0.5)
+    a = a_all[rank].clone().requires_grad_(backward)
+    b = b_all[rank].clone().requires_grad_(backward)
+    y = OPS[op](a, b, method=method)
+
+    a64 = [t.double().requires_grad_(backward) for t in a_all]
+    b64 = [t.double().requires_grad_(backward) for t in b_all]
+    ys = reference(op, a64, b64, rank, world)
+    mine = ys[rank] if len(ys) > 1 else ys[0]
+    assert y.dtype == dtype
+    assert_close(y, mine, dtype, f"{op}[{method}] output on rank {rank}")
+    if not backward:
+        return True
+    grads = rank_tensors(seed + 2, len(ys), ys[0].shape, dtype)
+    sum((yq * gq.double()).sum() for yq, gq in zip(ys, grads)).backward()
+    y.backward(grads[rank] if len(ys) > 1 else grads[0])
+    assert_close(a.grad, a64[rank].grad, dtype, f"{op}[{method}] grad a on rank {rank}")
+    assert_close(b.grad, b64[rank].grad, dtype, f"{op}[{method}] grad b on rank {rank}")
+    return True
+
+
+def error_of(rank, world, op, method, a_shapes, b_shapes, a_dtypes, b_dtypes):
+    """Call ``op`` with per-rank inputs; return (exception type, message) or None if it succeeded."""
+    a = torch.randn(*a_shapes[rank]).to(a_dtypes[rank])
+    b = torch.randn(*b_shapes[rank]).to(b_dtypes[rank])
+    try:
+        OPS[op](a, b, method=method)
+    except InputError as e:
+        return ("InputError", str(e))
+    except Exception as e:  # noqa: BLE001 - the test wants to see what else was raised
+        return (type(e).__name__, str(e))
+    return None
