@@ -1,0 +1,1 @@
+"""Microbenchmark harness and CLI (``python -m pyfused.bench``)."""

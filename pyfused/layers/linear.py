@@ -1,0 +1,1 @@
+"""Tensor-parallel linear layers (written next)."""
