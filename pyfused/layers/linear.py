@@ -1,1 +1,214 @@
-"""Tensor-parallel linear layers (written next)."""
+"""Tensor-parallel linear layers with Megatron-LM's semantics, on pyfused's overlapped ops.
+
+Layout is sequence-first: dim 0 is the one sequence parallelism shards. Weights keep nn.Linear's
+layout ``[out_local, in_local]``.
+
+ColumnParallelLinear (weight rows sharded: out_local = out_features / W)
+  * sequence_parallel=False: input replicated ``[s, ..., in]``; output ``[s, ..., out/W]`` (or the
+    full ``[s, ..., out]`` with gather_output=True). Backward all-reduces the input gradient,
+    overlapped with the weight-gradient GEMM unless overlap="unfused".
+  * sequence_parallel=True: input is a sequence shard ``[s/W, ..., in]``; output
+    ``all_gather_matmul(x, w^T)`` = ``[s, ..., out/W]``.
+RowParallelLinear (weight columns sharded: in_local = in_features / W)
+  * input ``[..., in/W]`` (input_is_parallel=True) or the full ``[..., in]`` to be split.
+  * sequence_parallel=False: output ``matmul_all_reduce(x, w^T) + bias``, replicated ``[s, ..., out]``.
+  * sequence_parallel=True: output ``matmul_reduce_scatter(x, w^T) + bias``, a sequence shard
+    ``[s/W, ..., out]``; the bias gradient is summed over the group in backward, so every rank holds
+    the full model's bias gradient.
+The bias of a row-parallel layer is added once, after the reduction.
+
+``overlap`` is the ``method=`` of the underlying ops: "auto" | "decomposed" | "unfused" | "fused".
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from .. import comm
+from ..ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from ..ops._common import METHODS
+from ._tp_functions import (
+    AddSequenceParallelBias, ColumnLinearReplicatedInput, GatherLastDim, ScatterLastDim,
+)
+
+
+def _agree_on_layer(kind: str, pg, in_features: int, out_features: int, sharded: int,
+                    flags: tuple) -> None:
+    """Same constructor arguments on every rank, and a divisible sharded dimension."""
+    w = comm.world_size(pg)
+    sig = comm.Signature(comm.op_code(kind), (in_features, out_features, *flags), ())
+
+    def check(sigs):
+        dim_name = "out_features" if kind == "ColumnParallelLinear" else "in_features"
+        if sharded % w != 0:
+            return f"{dim_name}={sharded} must be divisible by the tensor-parallel size {w}"
+        return comm.differs(sigs, "(in_features, out_features, bias, gather/input flag, "
+                                  "sequence_parallel)", lambda s: s.ints)
+
+    comm.agree(pg, sig, check)
+
+
+class _ParallelLinear(nn.Module):
+    def _init_common(self, in_features, out_features, bias, group, sequence_parallel, overlap):
+        if overlap not in METHODS:
+            raise ValueError(f"overlap must be one of {METHODS}, got {overlap!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.pg = comm.resolve_group(group)
+        self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
+        self.sequence_parallel = sequence_parallel
+        self.overlap = overlap
+        self.has_bias = bias
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default init with the *full* layer's fan-in, so a shard draws from the same
+        # distribution as the corresponding slice of an unsharded layer.
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _gather_dim(self) -> int:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, Tensor]:
+        """The unsharded layer's ``{"weight", "bias"}`` on every rank (a collective: call it on all)."""
+        dim = self._gather_dim()
+        out = {"weight": _all_gather_dim(self.weight, dim, self.pg)}
+        if self.bias is not None:
+            out["bias"] = _all_gather_dim(self.bias, 0, self.pg) if dim == 0 else self.bias.clone()
+        return out
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` holding the gathered full layer (a collective: call it on all ranks)."""
+        sd = self.full_state_dict()
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        lin.load_state_dict(sd)
+        return lin
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Dict[str, Tensor]) -> None:
+        """Load this rank's shard of an unsharded layer's ``{"weight", "bias"}``."""
+        dim = self._gather_dim()
+        shard = lambda t, d: t.chunk(self.world_size, dim=d)[self.rank]  # noqa: E731
+        self.weight.copy_(shard(state["weight"], dim))
+        if self.bias is not None:
+            self.bias.copy_(shard(state["bias"], 0) if dim == 0 else state["bias"])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        """Shard an existing ``nn.Linear`` (identical on every rank, e.g. same seed or checkpoint)."""
+        kwargs.setdefault("device", linear.weight.device)
+        kwargs.setdefault("dtype", linear.weight.dtype)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    group=group, **kwargs)
+        layer.load_full_state_dict(linear.state_dict())
+        return layer
+
+
+def _all_gather_dim(t: Tensor, dim: int, pg) -> Tensor:
+    w = comm.world_size(pg)
+    if w == 1:
+        return t.detach().clone()
+    parts = t.new_empty((w * t.shape[0], *t.shape[1:]))
+    dist.all_gather_into_tensor(parts, t.detach().contiguous(), group=pg)
+    return torch.cat(parts.view(w, *t.shape).unbind(0), dim=dim)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W^T + b`` with W's output rows sharded over the group; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 overlap: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self._init_common(in_features, out_features, bias, group, sequence_parallel, overlap)
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True is not supported with sequence_parallel=True "
+                             "(the output is already gathered along the sequence)")
+        _agree_on_layer("ColumnParallelLinear", self.pg, in_features, out_features, out_features,
+                        (int(bias), int(gather_output), int(sequence_parallel)))
+        self.gather_output = gather_output
+        self.out_local = out_features // self.world_size
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(self.out_local, **factory)) if bias else None
+        self.reset_parameters()
+
+    def _gather_dim(self) -> int:
+        return 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            y = all_gather_matmul(x, self.weight.t(), self.pg, method=self.overlap)
+            return y + self.bias if self.bias is not None else y
+        self._check_replicated_input(x)
+        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.pg, self.overlap)
+        return GatherLastDim.apply(y, self.pg) if self.gather_output else y
+
+    def _check_replicated_input(self, x: Tensor) -> None:
+        # Forward has no collective here, but backward all-reduces x's gradient: make sure now that
+        # every rank agrees on x, so a bad input fails fast instead of hanging in backward.
+        sig = comm.Signature(comm.op_code("ColumnParallelLinear.forward"), (),
+                             (comm.TensorMeta.of(x), comm.TensorMeta.of(self.weight)))
+
+        def check(sigs):
+            xm = sigs[0].tensors[0]
+            if not xm.shape or xm.shape[-1] != self.in_features:
+                return f"input's last dim must be in_features={self.in_features}; got {xm.describe()}"
+            return comm.differs(sigs, "input", lambda s: s.tensors[0], lambda s: s.tensors[0].describe())
+
+        comm.agree(self.pg, sig, check)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.out_local}), bias={self.bias is not None}, world={self.world_size}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
+                f"overlap={self.overlap!r}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W^T + b`` with W's input columns sharded over the group; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 overlap: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self._init_common(in_features, out_features, bias, group, sequence_parallel, overlap)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron-LM)")
+        _agree_on_layer("RowParallelLinear", self.pg, in_features, out_features, in_features,
+                        (int(bias), int(input_is_parallel), int(sequence_parallel)))
+        self.input_is_parallel = input_is_parallel
+        self.in_local = in_features // self.world_size
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def _gather_dim(self) -> int:
+        return 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"input's last dim must be in_features={self.in_features}; "
+                                 f"got {tuple(x.shape)}")
+            x = ScatterLastDim.apply(x, self.pg)
+        if self.sequence_parallel:
+            y = matmul_reduce_scatter(x, self.weight.t(), self.pg, method=self.overlap)
+            return AddSequenceParallelBias.apply(y, self.bias, self.pg) if self.bias is not None else y
+        y = matmul_all_reduce(x, self.weight.t(), self.pg, method=self.overlap)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.in_local}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"world={self.world_size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap!r}")

@@ -1,0 +1,92 @@
+"""Bad input gives the same clear error on every rank, quickly, and never hangs the group."""
+import pytest
+import torch
+
+from tests.op_checks import error_of
+
+F32, F16 = torch.float32, torch.float16
+OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+TIMEOUT = 30  # a hang would show as a timeout; the checks themselves take milliseconds
+
+CASES = {
+    # name: (a shape per rank, b shape per rank, a dtype per rank, b dtype per rank, expected text)
+    "shapes differ between ranks": (lambda w: [(6, 8)] * (w - 1) + [(12, 8)], lambda w: [(8, 5)] * w,
+                                    [F32] * 4, [F32] * 4, "differs between ranks"),
+    "wrong b shape on one rank": (lambda w: [(6, 8)] * w, lambda w: [(8, 5)] * (w - 1) + [(7, 5)],
+                                  [F32] * 4, [F32] * 4, "must equal b's first"),
+    "dtype of a and b differ": (lambda w: [(6, 8)] * w, lambda w: [(8, 5)] * w,
+                                [F32] * 4, [F16] * 4, "same dtype"),
+    "dtype differs between ranks": (lambda w: [(6, 8)] * w, lambda w: [(8, 5)] * w,
+                                    [F32, F16, F32, F32], [F32, F16, F32, F32], "differs between ranks"),
+    "b is not 2-D": (lambda w: [(6, 8)] * w, lambda w: [(8, 5, 1)] * w, [F32] * 4, [F32] * 4,
+                     "b must be 2-D"),
+    "integer inputs": (lambda w: [(6, 8)] * w, lambda w: [(8, 5)] * w, [torch.int64] * 4,
+                       [torch.int64] * 4, "must be float32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_same_error_everywhere(ranks, world, op, case):
+    a_shapes, b_shapes, a_dt, b_dt, text = CASES[case]
+    errors = ranks.run(world, error_of, op, "decomposed", a_shapes(world), b_shapes(world), a_dt, b_dt,
+                       timeout=TIMEOUT)
+    assert all(e is not None for e in errors), errors
+    assert len(set(errors)) == 1, f"ranks raised different errors: {errors}"
+    kind, msg = errors[0]
+    assert kind == "InputError" and text in msg and f"pyfused.{op}" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dim0_not_divisible_for_reduce_scatter(ranks, world):
+    errors = ranks.run(world, error_of, "matmul_reduce_scatter", "auto", [(world * 2 + 1, 8)] * world,
+                       [(8, 5)] * world, [F32] * 4, [F32] * 4, timeout=TIMEOUT)
+    assert len(set(errors)) == 1 and errors[0][0] == "InputError", errors
+    assert "divisible by the world size" in errors[0][1]
+
+
+def test_unknown_method_and_fused_unavailable(ranks):
+    errors = ranks.run(2, error_of, "all_gather_matmul", "fastest", [(4, 8)] * 2, [(8, 5)] * 2,
+                       [F32] * 2, [F32] * 2, timeout=TIMEOUT)
+    assert len(set(errors)) == 1 and errors[0][0] == "ValueError" and "method must be" in errors[0][1]
+    errors = ranks.run(2, error_of, "all_gather_matmul", "fused", [(4, 8)] * 2, [(8, 5)] * 2,
+                       [F32] * 2, [F32] * 2, timeout=TIMEOUT)
+    assert len(set(errors)) == 1 and errors[0][0] == "MethodUnavailable", errors
+    assert "not available here because" in errors[0][1] and "cpu" in errors[0][1]
+
+
+def test_different_ops_on_different_ranks(ranks):
+    assert all(m for m in ranks.run(2, _mismatched_ops, timeout=TIMEOUT))
+
+
+def _mismatched_ops(rank, world):
+    from pyfused.comm import InputError
+    from pyfused.ops import matmul_all_reduce, all_gather_matmul
+
+    fn = all_gather_matmul if rank == 0 else matmul_all_reduce
+    try:
+        fn(torch.randn(4, 8), torch.randn(8, 3))
+    except InputError as e:
+        return "the op called differs between ranks" in str(e)
+    return False
+
+
+def test_group_stays_usable_after_an_error(ranks):
+    """After every rank raised, the same group still runs a correct op (nothing half-launched)."""
+    assert all(ranks.run(3, _error_then_success, timeout=TIMEOUT))
+
+
+def _error_then_success(rank, world):
+    from pyfused.comm import InputError
+    from pyfused.ops import matmul_reduce_scatter
+
+    try:
+        matmul_reduce_scatter(torch.randn(4, 8), torch.randn(8, 3))  # 4 % 3 != 0
+    except InputError:
+        pass
+    else:
+        return False
+    a = torch.full((6, 8), float(rank + 1))
+    y = matmul_reduce_scatter(a, torch.ones(8, 3), method="decomposed")
+    return bool(torch.all(y == 8 * sum(range(1, world + 1))))
