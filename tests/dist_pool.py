@@ -41,6 +41,11 @@ def _serve(rank: int, world_size: int, port: int, backend: str, tasks, results) 
     torch.set_num_threads(1)  # several ranks share a small machine; oversubscription only adds noise
     device_id = None
     if backend == "nccl":
+        if world_size > torch.cuda.device_count():
+            # Several ranks on one GPU (docs/TESTBED.md): NCCL refuses two ranks of one host on one
+            # device, so each rank claims its own host id and talks over sockets -- correct, slow.
+            os.environ.setdefault("NCCL_HOSTID", f"pyfused-test-rank{rank}")
+            os.environ.setdefault("NCCL_NET", "Socket")
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device_id = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
