@@ -12,7 +12,7 @@ import torch
 
 import pyfused.ops as ops
 from pyfused.comm import InputError
-from tests.utils import assert_close, rank_tensors
+from tests.utils import assert_close, rank_tensors, test_device
 
 OPS = {
     "all_gather_matmul": ops.all_gather_matmul,
@@ -34,8 +34,9 @@ def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, ba
     k = a_shape[-1]
     a_all = rank_tensors(seed, world, a_shape, dtype)
     b_all = rank_tensors(seed + 1, world, (k, n), dtype, scale=k ** -0.5)
-    a = a_all[rank].clone().requires_grad_(backward)
-    b = b_all[rank].clone().requires_grad_(backward)
+    dev = test_device()
+    a = a_all[rank].to(dev, copy=True).requires_grad_(backward)
+    b = b_all[rank].to(dev, copy=True).requires_grad_(backward)
     y = OPS[op](a, b, method=method)
 
     a64 = [t.double().requires_grad_(backward) for t in a_all]
@@ -48,7 +49,7 @@ def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, ba
         return True
     grads = rank_tensors(seed + 2, len(ys), ys[0].shape, dtype)
     sum((yq * gq.double()).sum() for yq, gq in zip(ys, grads)).backward()
-    y.backward(grads[rank] if len(ys) > 1 else grads[0])
+    y.backward((grads[rank] if len(ys) > 1 else grads[0]).to(dev))
     assert_close(a.grad, a64[rank].grad, dtype, f"{op}[{method}] grad a on rank {rank}")
     assert_close(b.grad, b64[rank].grad, dtype, f"{op}[{method}] grad b on rank {rank}")
     return True
@@ -56,8 +57,8 @@ def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, ba
 
 def error_of(rank, world, op, method, a_shapes, b_shapes, a_dtypes, b_dtypes):
     """Call ``op`` with per-rank inputs; return (exception type, message) or None if it succeeded."""
-    a = torch.randn(*a_shapes[rank]).to(a_dtypes[rank])
-    b = torch.randn(*b_shapes[rank]).to(b_dtypes[rank])
+    a = torch.randn(*a_shapes[rank]).to(test_device(), a_dtypes[rank])
+    b = torch.randn(*b_shapes[rank]).to(test_device(), b_dtypes[rank])
     try:
         OPS[op](a, b, method=method)
     except InputError as e:

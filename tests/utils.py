@@ -54,3 +54,13 @@ def rank_tensors(seed: int, world: int, shape, dtype, scale: float = 1.0):
     single-device reference of the whole group)."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(*shape, generator=g) * scale).to(dtype) for _ in range(world)]
+
+
+def test_device() -> torch.device:
+    """Where a rank body should put its tensors: the GPU when the pool runs NCCL
+    (``PYFUSED_TEST_BACKEND=nccl``, see benchmarks/gpu_check.sh), else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
