@@ -1,4 +1,5 @@
 """Process groups, comm streams and cross-rank validation (see ARCHITECTURE.md)."""
+from .collectives import all_gather_single, reduce_scatter_single
 from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
     world_size,
@@ -10,7 +11,7 @@ from .validate import (
 )
 
 __all__ = [
-    "LOCAL", "GroupError", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
+    "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
     "set_validation", "validation_enabled", "world_size",

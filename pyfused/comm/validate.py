@@ -3,7 +3,7 @@
 A collective that some ranks skip hangs the group, so a rank must never raise on its own. Each op
 call builds a fixed-size integer *signature* of its inputs (op, method, every tensor's shape, dtype
 and device, and whatever else the op must agree on), the ranks exchange signatures with one small
-``all_gather_into_tensor`` of fixed length (so the exchange itself cannot mismatch), and every rank
+all-gather of fixed length (so the exchange itself cannot mismatch), and every rank
 runs the same check over the same list. The error message is a pure function of that list, so every
 rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
 whether a fast path is usable everywhere) are made from the gathered list too.
@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_single
 from .group import comm_device, world_size
 
 MAX_DIMS = 8
@@ -133,7 +134,7 @@ def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]
     dev = comm_device(pg)
     mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
     every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(every, mine, group=pg)
+    all_gather_single(every, mine, group=pg)
     rows = every.view(world_size(pg), SIG_LEN).tolist()
     return [Signature.decode(r) for r in rows]
 

@@ -57,7 +57,7 @@ class GatherLastDim(torch.autograd.Function):
         if w == 1:
             return x.clone()
         parts = x.new_empty((w * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 stacked, not a new dim
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=pg)
+        comm.all_gather_single(parts, x.contiguous(), group=pg)
         return torch.cat(parts.view(w, *x.shape).unbind(0), dim=-1)
 
     @staticmethod

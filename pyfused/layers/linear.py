@@ -22,10 +22,9 @@ The bias of a row-parallel layer is added once, after the reduction.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
@@ -117,7 +116,7 @@ def _all_gather_dim(t: Tensor, dim: int, pg) -> Tensor:
     if w == 1:
         return t.detach().clone()
     parts = t.new_empty((w * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(parts, t.detach().contiguous(), group=pg)
+    comm.all_gather_single(parts, t.detach().contiguous(), group=pg)
     return torch.cat(parts.view(w, *t.shape).unbind(0), dim=dim)
 
 

@@ -5,7 +5,7 @@ Shapes: ``a`` is this rank's shard ``[m, ..., K]`` (same shape on every rank), `
 (this rank's own weight); the result is ``[W*m, ..., N]`` with rank q's shard in rows q*m..(q+1)*m.
 
 Methods
-  * unfused: ``all_gather_into_tensor`` then one GEMM (the reference and baseline).
+  * unfused: ``all_gather_single`` (all_gather_into_tensor) then one GEMM (the reference and baseline).
   * decomposed: a ring of W steps. At step s rank r holds the shard of rank (r - s) mod W; it posts
     send(that shard -> r+1) and recv(next shard <- r-1) as one batched p2p call and, while they are in
     flight, multiplies the shard it holds into its rows of the output. On NCCL the transfers run on
@@ -41,7 +41,7 @@ def _unfused(a: Tensor, b: Tensor, pg) -> Tuple[Tensor, Tensor]:
     if w == 1:
         return a @ b, a
     gathered = a.new_empty((w * a.shape[0], a.shape[1]))
-    dist.all_gather_into_tensor(gathered, a.contiguous(), group=pg)
+    comm.all_gather_single(gathered, a.contiguous(), group=pg)
     return gathered @ b, gathered
 
 

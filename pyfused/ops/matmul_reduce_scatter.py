@@ -5,7 +5,7 @@ Shapes: ``a`` is ``[M, ..., K]`` with M divisible by the world size W (same shap
 ``b`` is ``[K, N]``; the result is ``[M/W, ..., N]``: rows r*M/W..(r+1)*M/W of sum_q a_q @ b_q.
 
 Methods
-  * unfused: one GEMM, then ``reduce_scatter_tensor``.
+  * unfused: one GEMM, then ``reduce_scatter_single`` (reduce_scatter_tensor).
   * decomposed: a ring of W steps. At step s rank r computes the partial product of chunk
     c = (r - s - 1) mod W, adds the running sum for c received from rank r-1, and sends it on to r+1;
     the GEMM of step s+1 runs while step s's send/recv are in flight. After W steps rank r holds the
@@ -44,7 +44,7 @@ def _unfused(a: Tensor, b: Tensor, pg) -> Tensor:
     if w == 1:
         return full
     out = full.new_empty((full.shape[0] // w, full.shape[1]))
-    dist.reduce_scatter_tensor(out, full, group=pg)
+    comm.reduce_scatter_single(out, full, group=pg)
     return out
 
 
