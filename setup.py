@@ -9,9 +9,11 @@ otherwise), PYFUSED_REQUIRE_EXT=1 (fail instead of building without _C; CI sets 
 """
 import importlib.util
 import os
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.develop import develop as _setuptools_develop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0a"  # A100, H100 (9.0a: sm_90a features)
@@ -69,7 +71,7 @@ def cuda_extension():
         import torch
     except ImportError as e:
         return skip(f"torch is not importable in this build environment ({e}); an isolated build "
-                    f"(plain `pip install .`) has no torch: use {helpers.REBUILD_HINT}")
+                    f"(plain `pip install .`) has no torch: use `{helpers.REBUILD_HINT}`")
     toolkit = helpers.find_cuda_toolkit(report=say)
     reason = helpers.build_skip_reason(torch.version.cuda, toolkit)
     if reason:
@@ -112,7 +114,33 @@ def cuda_extension():
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
+class develop(_setuptools_develop):
+    """`setup.py develop` in the current environment, as it always ran.
+
+    pip before 25 installs a project that has no pyproject.toml in editable mode by running
+    `setup.py develop`, in the current environment (that is what --no-build-isolation asks for).
+    setuptools >= 80 turned `develop` into `pip install -e . --use-pep517`, whose build runs in an
+    isolated environment without torch: `pip install --no-build-isolation -e .` would then build no
+    _C. Here the same call gets --no-build-isolation. The older, real develop command (it has
+    install_for_development) already builds here and is left alone.
+    """
+
+    def run(self):
+        if hasattr(_setuptools_develop, "install_for_development"):
+            return super().run()
+        cmd = ([sys.executable, "-m", "pip", "install", "-e", ".", "--use-pep517",
+                "--no-build-isolation"]
+               + ["--target", self.install_dir] * bool(self.install_dir)
+               + ["--no-deps"] * bool(self.no_deps)
+               + ["--user"] * bool(self.user)
+               + ["--prefix", self.prefix] * bool(self.prefix)
+               + ["--index-url", self.index_url] * bool(self.index_url))
+        say("setup.py develop -> " + " ".join(cmd[1:]))
+        subprocess.check_call(cmd, cwd=HERE)
+
+
 ext_modules, cmdclass = cuda_extension()
+cmdclass["develop"] = develop
 
 setup(
     name="pyfused",

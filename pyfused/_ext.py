@@ -48,11 +48,11 @@ def load():
             reason = build_skip_reason(torch.version.cuda, find_cuda_toolkit())
             _error = ("pyfused._C is not built: " + (reason or
                       f"setup.py found a CUDA toolkit but this install has no _C (an isolated "
-                      f"build without torch?); rebuild with: {REBUILD_HINT}"))
+                      f"build without torch?); rebuild with `{REBUILD_HINT}`"))
             logger.debug(_error)
         except ImportError as e:  # built, but against another torch/CUDA (undefined symbol, ABI)
             _error = (f"pyfused._C is built but failed to import: {e}. It was probably built "
-                      f"against another torch or CUDA; rebuild with: {REBUILD_HINT}")
+                      f"against another torch or CUDA; rebuild with `{REBUILD_HINT}`")
             logger.warning(_error)
         else:
             _mark_side_effects()
