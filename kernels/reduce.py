@@ -1,0 +1,95 @@
+"""Multi-source reduce with fused residual-add and RMSNorm epilogues.
+
+Computes, for rows i and columns j of P source buffers src_0 .. src_{P-1}, all [M, N]:
+
+    h[i, j] = sum_p src_p[i, j]  (+ residual[i, j])                  accumulated in fp32
+    out     = h                                                       without RMSNorm
+    out     = h * rsqrt(mean_j h[i, j]^2 + eps) * weight[j]           with RMSNorm (weight [N])
+    res_out = h  (rounded to res_out's dtype), when requested
+
+This is the all-reduce + residual + RMSNorm step of a tensor-parallel transformer block: the P
+sources are the P ranks' partial sums (peers' symmetric buffers, or slots peers pushed into), the
+residual is the residual stream, ``res_out`` is the updated residual stream (may be the residual
+buffer itself: every element is read before it is written, by the same thread) and ``out`` is the
+next sub-layer's normalized input. The mean of squares is taken over the unrounded fp32 ``h`` (as
+vLLM's fused_add_rms_norm does), not over ``h`` rounded to the residual's dtype.
+
+Layout
+  Sources are given as a table of P int64 addresses (``src_table``), all with the same row stride
+  ``stride_src`` and unit column stride, all of ``out``'s element type. ALIGNED_SRC=True tells the
+  compiler every address is 16-byte aligned (the launcher checks) so loads vectorize. Rows are split
+  into ``num_chunks`` chunks of ``chunk_rows = ceil(M / num_chunks)`` rows, as in kernels/gemm.py.
+
+Schedule
+  One program per tile: a tile is ``rows_per_prog`` rows of one chunk by BLOCK_N columns (a whole
+  row with RMSNorm); tiles are numbered chunk-major in the order ``order[...]`` (identity without an
+  order table) and the program steps over its rows BLOCK_M at a time.
+
+Wait, WAIT=True
+  Before reading source p in chunk c, the program spins (one thread, acquire at FLAG_SCOPE, bounded
+  by ``spin_limit`` polls) until ``flags[p * flag_stride_p + c] >= expected`` and then passes a
+  CTA barrier, as in kernels/gemm.py's ``wait_flag``: the writer of src_p's chunk c stores the data,
+  then releases the flag; acquire + barrier order those stores before every load of the program.
+  ``flag_stride_p = 0`` gives one flag per chunk for all sources, ``num_chunks`` gives one per
+  (source, chunk). A timeout records ``1 + p * num_chunks + c`` in ``status[0]`` (first one wins);
+  later waits are skipped and the reduce reads whatever the sources hold. The writers must not need
+  SMs this kernel holds (peers' kernels, copy engines or the host).
+"""
+import triton
+import triton.language as tl
+
+from .gemm import chunk_tile, wait_flag
+
+
+@triton.jit
+def multi_source_reduce_kernel(
+    src_table_ptr, out_ptr, residual_ptr, res_out_ptr, weight_ptr,
+    flags_ptr, order_ptr, status_ptr,
+    M, N, chunk_rows, num_chunks, rows_per_prog,
+    stride_src, stride_out, stride_res, stride_res_out,
+    flag_stride_p, wait_expected, spin_limit, eps,
+    P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WAIT: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr, RMSNORM: tl.constexpr, ALIGNED_SRC: tl.constexpr,
+    FLAG_SCOPE: tl.constexpr,
+):
+    """``out = epilogue(sum_p src_p (+ residual))`` over one tile; see the module docstring."""
+    src_ty = out_ptr.dtype.element_ty
+    tiles_r = tl.cdiv(chunk_rows, rows_per_prog)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    chunk, tr, tn = chunk_tile(tl.program_id(0), tiles_r * tiles_n, tiles_r, tiles_n, order_ptr,
+                               HAS_ORDER, 1)
+    if WAIT:
+        for p in tl.static_range(P):
+            wait_flag(flags_ptr + p * flag_stride_p + chunk, wait_expected, status_ptr, spin_limit,
+                      1 + p * num_chunks + chunk, FLAG_SCOPE)
+
+    chunk_start = chunk * chunk_rows
+    row_lo = tr * rows_per_prog
+    row_hi = tl.minimum(row_lo + rows_per_prog, tl.minimum(chunk_rows, M - chunk_start))
+    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if RMSNORM:
+        w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+    for r0 in range(row_lo, row_hi, BLOCK_M):
+        local = r0 + tl.arange(0, BLOCK_M)
+        rows = (chunk_start + local).to(tl.int64)
+        mask = (local < row_hi)[:, None] & col_ok[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for p in tl.static_range(P):
+            src = tl.load(src_table_ptr + p).to(tl.pointer_type(src_ty))
+            if ALIGNED_SRC:
+                src = tl.multiple_of(src, 16)
+            acc += tl.load(src + rows[:, None] * stride_src + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        if WRITE_RESIDUAL:
+            tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :],
+                     acc.to(res_out_ptr.dtype.element_ty), mask=mask)
+        if RMSNORM:
+            rstd = tl.rsqrt(tl.sum(acc * acc, axis=1) / N + eps)
+            acc = acc * rstd[:, None] * w[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(src_ty), mask=mask)

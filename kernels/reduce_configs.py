@@ -1,0 +1,52 @@
+"""Launch configs of the multi-source reduce (kernels/reduce.py), as data.
+
+A pure function of ``(rows, hidden, sources, dtype, arch)``, like the GEMM's (kernels/gemm_configs.py);
+the reduce has no cross-rank contract (it signals nothing), but deterministic choices keep runs
+comparable. Values are starting points for a bandwidth-bound row kernel (16-byte vectors, 8-16K
+fp32 accumulators per program); none has been measured in this repository yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .gemm_configs import NOMINAL_SMS
+
+# Elements a program holds per step (fp32 accumulators): big enough to keep P 16-byte loads per
+# thread in flight, small enough not to spill. The interpreter prefers big steps (fewer of them).
+_STEP_ELEMS = {"sm_90": 8192, "sm_80": 8192, "interpreter": 16384}
+_MAX_BLOCK_N = {"sm_90": 4096, "sm_80": 4096, "interpreter": 4096}
+MAX_NORM_HIDDEN = 32768  # RMSNorm keeps a whole fp32 row in registers (64 per thread at 16 warps)
+
+
+@dataclass(frozen=True)
+class ReduceConfig:
+    block_m: int        # rows per step
+    block_n: int        # columns per tile (a whole row, padded to a power of two, with RMSNorm)
+    rows_per_prog: int  # rows one program covers (it waits on its chunk's flags once)
+    num_warps: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_reduce_config(m: int, n: int, num_sources: int, dtype: torch.dtype, arch: str,
+                         num_chunks: int = 1, rmsnorm: bool = False) -> ReduceConfig:
+    if rmsnorm and n > MAX_NORM_HIDDEN:
+        raise ValueError(f"RMSNorm epilogue supports rows of at most {MAX_NORM_HIDDEN} elements, got {n}")
+    step = _STEP_ELEMS[arch]
+    block_n = _next_pow2(n) if rmsnorm else min(_next_pow2(n), _MAX_BLOCK_N[arch])
+    block_m = max(1, min(64, step // block_n))
+    chunk_rows = -(-m // num_chunks)
+    block_m = min(block_m, _next_pow2(chunk_rows))
+    tiles_n = -(-n // block_n)
+    # About 8 programs per SM: enough to hide latency, few enough that each waits once for many rows.
+    target = 8 * NOMINAL_SMS[arch]
+    steps_per_chunk = -(-chunk_rows // block_m)
+    steps_per_prog = max(1, -(-(num_chunks * steps_per_chunk * tiles_n) // target))
+    rows_per_prog = min(steps_per_prog * block_m, -(-chunk_rows // block_m) * block_m)
+    elems = block_m * block_n
+    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    return ReduceConfig(block_m, block_n, rows_per_prog, num_warps)

@@ -1,0 +1,306 @@
+"""Launcher of the multi-source reduce (kernels/reduce.py), its fp32 reference, and the pieces the
+fused kernels share: pointer tables, chunk layout, the timeout status.
+
+``multi_source_reduce(sources, residual=..., weight=..., residual_out=...)`` is the all-reduce +
+residual + RMSNorm step of a tensor-parallel block once the P partial sums are reachable by address
+(peers' symmetric buffers). ``reduce_ref`` is the fp32 reference tests and benchmarks use.
+
+Pointer tables. The kernels take P buffers as an int64 tensor of ``data_ptr()``s on the kernel's
+device (``PointerTable``). On GPU these may be peers' buffers mapped into this process (symmetric
+memory); ``PointerTable.from_addresses`` wraps such raw addresses. On CPU the kernels run in the
+Triton interpreter, which dereferences a loaded int64 address as a host address: tables of CPU
+tensors therefore work unchanged there (checked by tests/test_reduce.py), and the same kernel code
+runs on both. What cannot work is a table of CUDA addresses under the interpreter, or CPU tensors
+without it; ``check_backend`` refuses both with a clear message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+# Polls of a flag before a wait gives up (see kernels/gemm.py "No hang"). One acquire poll of a flag
+# costs on the order of a microsecond on current GPUs, so this is about a minute: far longer than
+# any legitimate skew between ranks, finite so that a lost flag fails instead of hanging forever.
+DEFAULT_SPIN_LIMIT = 1 << 26
+SCOPES = ("gpu", "sys")
+
+
+class WaitTimeout(RuntimeError):
+    """A fused kernel gave up waiting for a flag (a peer never signalled)."""
+
+
+@dataclass
+class PointerTable:
+    """P buffers of the same shape, strides and dtype, addressed by an int64 tensor on the device.
+
+    ``keep_alive`` holds the tensors the addresses came from (when there are any) so they outlive
+    every launch that uses the table."""
+
+    ptrs: Tensor
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    aligned: bool
+    keep_alive: Tuple[Tensor, ...] = field(default=(), repr=False)
+
+    def __len__(self) -> int:
+        return self.ptrs.numel()
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor], shape: Optional[Tuple[int, ...]] = None) -> "PointerTable":
+        """A table of ``tensors`` (same dtype, device and strides; ``shape`` if given overrides the
+        common shape check: each tensor must then have at least ``shape[0]`` rows)."""
+        tensors = tuple(tensors)
+        if not tensors:
+            raise ValueError("a pointer table needs at least one tensor")
+        t0 = tensors[0]
+        for i, t in enumerate(tensors):
+            if t.dtype != t0.dtype or t.device != t0.device or t.stride() != t0.stride():
+                raise ValueError(
+                    f"pointer table entries must share dtype, device and strides: entry 0 is "
+                    f"{t0.dtype} on {t0.device} strides {t0.stride()}, entry {i} is {t.dtype} on "
+                    f"{t.device} strides {t.stride()}")
+            if shape is None and t.shape != t0.shape:
+                raise ValueError(f"pointer table entries must share a shape: entry 0 is "
+                                 f"{tuple(t0.shape)}, entry {i} is {tuple(t.shape)}")
+        addrs = [t.data_ptr() for t in tensors]
+        table = cls.from_addresses(addrs, tuple(shape or t0.shape), t0.stride(), t0.dtype, t0.device)
+        table.keep_alive = tensors
+        return table
+
+    @classmethod
+    def from_addresses(cls, addrs: Sequence[int], shape: Tuple[int, ...], stride: Tuple[int, ...],
+                       dtype: torch.dtype, device: torch.device) -> "PointerTable":
+        """A table of raw addresses (e.g. peers' symmetric buffers mapped into this process)."""
+        device = torch.device(device)
+        ptrs = torch.tensor(list(addrs), dtype=torch.int64).to(device)
+        # Only the base addresses need the claim; the kernel's stride arguments carry their own
+        # divisibility (Triton specializes integer arguments divisible by 16).
+        aligned = all(a % 16 == 0 for a in addrs)
+        return cls(ptrs, tuple(shape), tuple(stride), dtype, device, aligned)
+
+
+def check_backend(device: torch.device, kernel, what: str) -> None:
+    """Refuse the two combinations the Triton launch cannot serve (see the module docstring)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if device.type == "cuda" and interpreted:
+        raise RuntimeError(f"{what}: TRITON_INTERPRET=1 is set but the tensors are on {device}; the "
+                           f"interpreter cannot dereference device addresses. Unset TRITON_INTERPRET.")
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(f"{what}: tensors on {device} run only in the Triton interpreter; set "
+                           f"TRITON_INTERPRET=1 before pyfused.kernels is imported, or use CUDA tensors")
+
+
+def chunk_rows_of(m: int, num_chunks: int) -> int:
+    """Rows per chunk (the last chunk may be shorter); raises if a chunk would be empty."""
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    rows = -(-m // num_chunks)
+    if (num_chunks - 1) * rows >= m:
+        raise ValueError(f"{m} rows cannot be cut into {num_chunks} non-empty chunks of "
+                         f"ceil({m}/{num_chunks}) = {rows} rows; use at most {-(-m // rows)} chunks")
+    return rows
+
+
+_order_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+
+
+def chunk_order_tensor(order: Optional[Sequence[int]], num_chunks: int,
+                       device: torch.device) -> Optional[Tensor]:
+    """The int32 device tensor of a chunk visiting order (a permutation of range(num_chunks)),
+    cached per (order, device) so steady-state calls do no host-to-device copy."""
+    if order is None:
+        return None
+    if isinstance(order, Tensor):
+        raise TypeError("chunk_order must be a sequence of ints (it is validated on the host)")
+    order = tuple(int(c) for c in order)
+    if sorted(order) != list(range(num_chunks)):
+        raise ValueError(f"chunk_order must be a permutation of range({num_chunks}), got {order}")
+    key = (order, device)
+    if key not in _order_cache:
+        _order_cache[key] = torch.tensor(order, dtype=torch.int32).to(device)
+    return _order_cache[key]
+
+
+def check_flags(name: str, flags: Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(flags, Tensor) or flags.dtype != torch.int32 or flags.device != device:
+        raise ValueError(f"{name} must be an int32 tensor on {device}, got "
+                         f"{getattr(flags, 'dtype', type(flags))} on {getattr(flags, 'device', '?')}")
+    if tuple(flags.shape) != shape or not flags.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous tensor of shape {shape}, got "
+                         f"{tuple(flags.shape)} (contiguous={flags.is_contiguous()})")
+
+
+# On CPU a wait on an unset flag is allowed only with a spin limit the interpreter gets through in a
+# moment (to exercise the timeout path); a longer one would just look like a hang.
+CPU_MAX_SPINS = 1000
+
+
+def check_wait_args(name: str, flags: Tensor, expected: int, spin_limit: int) -> None:
+    """Checks of a wait's spin limit, and on CPU of the flags themselves: the interpreter runs
+    programs one after another, so nothing can set a flag while the kernel spins."""
+    if not isinstance(spin_limit, int) or not 0 < spin_limit < 2 ** 31:
+        raise ValueError(f"spin_limit must be an int in [1, 2**31), got {spin_limit!r}")
+    if flags.device.type == "cuda" or spin_limit <= CPU_MAX_SPINS:
+        return
+    if bool((flags < expected).any()):
+        bad = torch.nonzero(flags.reshape(-1) < expected).reshape(-1).tolist()
+        raise ValueError(f"{name}: on CPU (Triton interpreter) every flag must be >= expected "
+                         f"({expected}) before the launch; flat indices {bad} are not (pass "
+                         f"spin_limit <= {CPU_MAX_SPINS} to see the kernel time out instead)")
+
+
+def new_status(device: torch.device) -> Tensor:
+    """A zeroed timeout-status word for one launch (see ``raise_on_timeout``)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def raise_on_timeout(status: Tensor, describe) -> None:
+    """Raise ``WaitTimeout`` if a kernel recorded a timeout in ``status`` (synchronizes with it).
+    ``describe(code)`` turns the kernel's code into words."""
+    code = int(status.reshape(-1)[0].item())
+    if code != 0:
+        raise WaitTimeout(f"gave up waiting on {describe(code)} after the spin limit; the peer that "
+                          f"should have set it did not (the output is incomplete)")
+
+
+def check_scope(name: str, scope: str) -> None:
+    if scope not in SCOPES:
+        raise ValueError(f"{name} must be one of {SCOPES}, got {scope!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The multi-source reduce
+# ------------------------------------------------------------------------------------------------
+
+def reduce_ref(sources: Sequence[Tensor], residual: Optional[Tensor] = None,
+               weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
+    """fp32 reference: (out, h) with h = sum(sources) (+ residual) and out = h, or RMSNorm(h) *
+    weight when ``weight`` is given."""
+    dt = torch.promote_types(sources[0].dtype, torch.float32)
+    h = sum(s.to(dt) for s in sources)
+    if residual is not None:
+        h = h + residual.to(dt)
+    if weight is None:
+        return h, h
+    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return h * rstd * weight.to(dt), h
+
+
+def _as_table(sources: Union[PointerTable, Sequence[Tensor]]) -> PointerTable:
+    if isinstance(sources, PointerTable):
+        return sources
+    if isinstance(sources, Tensor):
+        raise TypeError("sources must be a sequence of tensors or a PointerTable, not one tensor "
+                        "(for stacked sources pass list(stacked))")
+    return PointerTable.of(sources)
+
+
+def _check_rows_like(name: str, t: Tensor, m: int, n: int, device: torch.device) -> None:
+    if not isinstance(t, Tensor) or t.dim() != 2 or tuple(t.shape) != (m, n):
+        raise ValueError(f"{name} must be a 2-D tensor of shape ({m}, {n}), got "
+                         f"{tuple(t.shape) if isinstance(t, Tensor) else type(t)}")
+    if t.device != device or t.stride(1) != 1 or not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor on {device} with unit column stride, "
+                         f"got {t.dtype} on {t.device} strides {t.stride()}")
+
+
+def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
+                        out: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+                        residual_out: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+                        eps: float = 1e-6, num_chunks: int = 1,
+                        chunk_order: Optional[Sequence[int]] = None,
+                        wait_flags: Optional[Tensor] = None, wait_expected: int = 1,
+                        status: Optional[Tensor] = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
+                        flag_scope: str = "sys", config=None) -> Tensor:
+    """``out = sum_p sources[p] (+ residual)``, then RMSNorm with ``weight`` if given; see
+    kernels/reduce.py for the math and the memory ordering.
+
+    sources: P tensors [M, N] (same dtype/strides, unit column stride) or a ``PointerTable``. A list
+      is turned into a table on every call (a host-to-device copy of P addresses, which a CUDA graph
+      cannot capture); build the table once for buffers that persist.
+    residual_out: written with the pre-norm sum h (may be ``residual`` itself, for in place).
+    wait_flags: int32 [num_chunks] (one flag per chunk) or [P, num_chunks] (per source and chunk);
+      chunk c of source p is read only once its flag is >= ``wait_expected``.
+    status: an int32 [1] zero word; a wait that times out writes its code there (check it with
+      ``raise_on_timeout(status, describe_reduce_timeout(P, num_chunks))`` after synchronizing).
+      On CPU the launcher checks it itself.
+    Returns ``out`` (allocated like the sources if not given).
+    """
+    from pyfused.kernels.reduce import multi_source_reduce_kernel
+    from pyfused.kernels.gemm_configs import arch_of
+    from pyfused.kernels.reduce_configs import choose_reduce_config
+
+    table = _as_table(sources)
+    if len(table.shape) != 2 or table.stride[1] != 1:
+        raise ValueError(f"sources must be 2-D [M, N] with unit column stride, got shape "
+                         f"{table.shape} strides {table.stride}")
+    if table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"sources must be float16, bfloat16 or float32, got {table.dtype}")
+    m, n = table.shape
+    if m == 0 or n == 0:
+        raise ValueError(f"empty sources are not supported: shape {table.shape}")
+    device, p = table.device, len(table)
+    check_backend(device, multi_source_reduce_kernel, "pyfused.ops.reduce.multi_source_reduce")
+    if out is None:
+        out = torch.empty((m, n), dtype=table.dtype, device=device)
+    _check_rows_like("out", out, m, n, device)
+    if out.dtype != table.dtype:
+        raise ValueError(f"out must have the sources' dtype {table.dtype}, got {out.dtype}")
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is not None:
+            _check_rows_like(name, t, m, n, device)
+    if weight is not None and (weight.shape != (n,) or weight.device != device):
+        raise ValueError(f"weight must be a tensor of shape ({n},) on {device}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    chunk_rows = chunk_rows_of(m, num_chunks)
+    order = chunk_order_tensor(chunk_order, num_chunks, device)
+    check_scope("flag_scope", flag_scope)
+    wait = wait_flags is not None
+    flag_stride_p = 0
+    if wait:
+        shape = tuple(wait_flags.shape)
+        check_flags("wait_flags", wait_flags, (p, num_chunks) if len(shape) == 2 else (num_chunks,),
+                    device)
+        flag_stride_p = num_chunks if len(shape) == 2 else 0
+        check_wait_args("wait_flags", wait_flags, wait_expected, spin_limit)
+    if status is None:
+        status = new_status(device)
+    else:
+        check_flags("status", status, (1,), device)
+
+    cfg = config or choose_reduce_config(m, n, p, table.dtype, arch_of(device), num_chunks,
+                                         rmsnorm=weight is not None)
+    if weight is not None and cfg.block_n < n:
+        raise ValueError(f"config {cfg}: RMSNorm needs block_n >= N ({n})")
+    tiles = num_chunks * -(-chunk_rows // cfg.rows_per_prog) * -(-n // cfg.block_n)
+    dummy = out  # stands in for absent optional pointers; never dereferenced
+    multi_source_reduce_kernel[(tiles,)](
+        table.ptrs, out, residual if residual is not None else dummy,
+        residual_out if residual_out is not None else dummy, weight if weight is not None else dummy,
+        wait_flags if wait else status, order if order is not None else status, status,
+        m, n, chunk_rows, num_chunks, cfg.rows_per_prog,
+        table.stride[0], out.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0,
+        flag_stride_p, int(wait_expected), int(spin_limit), float(eps),
+        P=p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WAIT=wait, HAS_ORDER=order is not None,
+        HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
+        RMSNORM=weight is not None, ALIGNED_SRC=table.aligned, FLAG_SCOPE=flag_scope,
+        num_warps=cfg.num_warps,
+    )
+    if wait and device.type != "cuda":
+        raise_on_timeout(status, describe_reduce_timeout(p, num_chunks))
+    return out
+
+
+def describe_reduce_timeout(num_sources: int, num_chunks: int):
+    def describe(code: int) -> str:
+        p, c = divmod(code - 1, num_chunks)
+        return f"the flag of source {p}, chunk {c} (of {num_sources} sources x {num_chunks} chunks)"
+    return describe
