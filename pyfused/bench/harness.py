@@ -6,11 +6,19 @@ Timing of a multi-rank call: every rank runs the same fixed number of iterations
 could differ between ranks and hang a collective); each iteration starts after a barrier, is timed
 with CUDA events on GPU or ``perf_counter`` on CPU, and the iteration's time is the slowest rank's.
 The reported time is the median over iterations.
+
+Rows. A suite's ``run(ctx)`` returns a list of dicts, one per measured point. The CLI prints and
+writes them: the columns it knows (``ROW_COLUMNS``, which ``op_row`` fills) go into its table, every
+other key is kept in the CSV/JSON. Every row names its ``transport`` ("gloo", "nccl", "symm-mem" or
+"none"), so that a speedup measured over a slower transport is never read as a kernel's. The
+derived columns are computed here and only here (``tflops``, ``bandwidths``, ``speedup``,
+``overlap_efficiency``); docs/BENCH.md repeats the formulas.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -23,10 +31,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+# Called on every rank after each ``time_fn`` measurement; the CLI points it at its progress bar.
+# Suites need not know about it.
+progress_hook: Optional[Callable[[], None]] = None
+
 
 @dataclass
 class BenchContext:
-    """What a suite's ``run(ctx)`` gets: where it runs and how hard to try."""
+    """What a suite's ``run(ctx)`` gets: where it runs and how hard to try.
+
+    ``options`` carries the CLI's choices: ``dtype`` (a torch.dtype), ``shapes`` (the ``--shapes``
+    spec string or None), ``out`` (the output folder). Multi-rank suites must communicate over
+    ``group`` only (the CLI gives every suite a group of its own, with a timeout, so a suite that
+    fails on some ranks cannot hang the run)."""
 
     rank: int
     world: int
@@ -37,6 +54,19 @@ class BenchContext:
     warmup: int = 3
     iters: int = 10
     options: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.options.get("dtype") or (torch.bfloat16 if self.device.type == "cuda"
+                                             else torch.float32)
+
+    @property
+    def transport(self) -> str:
+        """The transport of this context's collectives: "gloo", "nccl", "nccl-socket" (NCCL ranks
+        sharing a GPU, over sockets), or "none" (one rank)."""
+        if self.world == 1 or self.backend not in ("gloo", "nccl"):
+            return "none"
+        return self.options.get("transport") or self.backend
 
 
 def synchronize(device: torch.device) -> None:
@@ -73,6 +103,8 @@ def time_fn(fn: Callable[[], Any], ctx: BenchContext, warmup: Optional[int] = No
                          device=ctx.device if ctx.backend == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
         times = t.tolist()
+    if progress_hook is not None:
+        progress_hook()
     return statistics.median(times)
 
 
@@ -95,6 +127,74 @@ def bandwidths(collective: str, nbytes: float, ms: float, world: int) -> tuple[f
     return algbw, algbw * factor
 
 
+def tensor_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of a ``shape`` tensor of ``dtype``. For ``bandwidths`` pass the tensor nccl-tests calls
+    S: the gathered output of an all-gather, the unreduced input of a reduce-scatter, the buffer of
+    an all-reduce."""
+    return math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def speedup(t_baseline_ms: Optional[float], t_ms: Optional[float]) -> float:
+    """``T_baseline / T_method``: how many times faster than the baseline (> 1 is faster)."""
+    if not t_baseline_ms or not t_ms or t_ms <= 0:
+        return float("nan")
+    return t_baseline_ms / t_ms
+
+
+def overlap_efficiency(t_gemm_ms: Optional[float], t_comm_ms: Optional[float],
+                       t_method_ms: Optional[float]) -> float:
+    """``(T_gemm + T_comm - T_method) / min(T_gemm, T_comm)``, the three measured in the same run.
+
+    The fraction of the shorter part that the method hid behind the longer one: 0 for a serial
+    schedule (``T_method = T_gemm + T_comm``), 1 for perfect overlap (``T_method = max(...)``);
+    negative when the method is slower than the two parts back to back."""
+    if not t_gemm_ms or not t_comm_ms or not t_method_ms:
+        return float("nan")
+    shorter = min(t_gemm_ms, t_comm_ms)
+    if shorter <= 0:
+        return float("nan")
+    return (t_gemm_ms + t_comm_ms - t_method_ms) / shorter
+
+
+# The columns the CLI's table knows, in display order; any other key of a row is kept in the files.
+ROW_COLUMNS = ("suite", "shape", "dtype", "method", "transport", "status", "time_ms", "tflops",
+               "algbw_GBps", "busbw_GBps", "speedup", "overlap_eff", "note")
+
+
+def op_row(ctx: BenchContext, *, shape: str, dtype: torch.dtype, method: str, transport: str,
+           ms: Optional[float], flop: float = 0.0, collective: Optional[str] = None,
+           nbytes: float = 0.0, t_baseline: Optional[float] = None,
+           t_gemm: Optional[float] = None, t_comm: Optional[float] = None, status: str = "ok",
+           note: str = "", **extra: Any) -> Dict[str, Any]:
+    """One row, its derived columns computed from the measured times by the formulas above.
+
+    ``t_baseline`` is the unfused time of the same shape (for ``speedup``); ``t_gemm`` and
+    ``t_comm`` the GEMM and the collective measured alone (for ``overlap_eff``). A point that could
+    not run has ``ms=None`` and a ``status`` saying why; its numbers are then NaN (empty in the
+    table), never zero."""
+    nan = float("nan")
+    ok = ms is not None and ms > 0
+    algbw = busbw = nan
+    if ok and collective and nbytes and ctx.world > 1:
+        algbw, busbw = bandwidths(collective, nbytes, ms, ctx.world)
+    row: Dict[str, Any] = {
+        "shape": shape,
+        "dtype": str(dtype).replace("torch.", ""),
+        "method": method,
+        "transport": transport,
+        "status": status,
+        "time_ms": ms if ok else nan,
+        "tflops": tflops(flop, ms) if ok and flop else nan,
+        "algbw_GBps": algbw,
+        "busbw_GBps": busbw,
+        "speedup": speedup(t_baseline, ms) if ok else nan,
+        "overlap_eff": overlap_efficiency(t_gemm, t_comm, ms) if ok else nan,
+        "note": note,
+    }
+    row.update(extra)
+    return row
+
+
 def git_commit() -> str:
     root = Path(__file__).resolve().parents[2]
     try:
@@ -105,7 +205,9 @@ def git_commit() -> str:
 
 
 def metadata(ctx: BenchContext) -> Dict[str, Any]:
-    """Columns every row carries: where and when it was measured."""
+    """Columns every row carries: where and when it was measured, and how."""
+    from .. import comm
+
     if ctx.device.type == "cuda":
         device_name = torch.cuda.get_device_name(ctx.device)
     else:
@@ -118,6 +220,10 @@ def metadata(ctx: BenchContext) -> Dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.backend == "nccl" else "",
         "commit": git_commit(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "validate": comm.validation_enabled(),
+        "warmup": ctx.warmup,
+        "iters": ctx.iters,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -125,6 +231,11 @@ def write_results(rows: List[Dict[str, Any]], out_dir: Path, name: str) -> List[
     """Write ``rows`` as ``<name>.csv`` and ``<name>.json`` under ``out_dir``; return the paths."""
     import csv
 
+    # A number that could not be measured is NaN in memory; it is written as an empty CSV cell and
+    # a JSON null (NaN is not JSON).
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in rows]
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns: List[str] = []
     for row in rows:

@@ -1,0 +1,128 @@
+"""The body of the three op suites (benchmarks/bench_<op>.py): one GEMM+collective op over shapes.
+
+For each shape, in one run and on the same inputs:
+  * the op's whole GEMM alone (``T_gemm``) and its collective alone (``T_comm``), as rows
+    "gemm alone" and "<collective> alone" -- the parts the overlap efficiency is measured against;
+  * every method: unfused (the baseline), decomposed, fused (a row "unavailable: <reason>" where it
+    cannot run, never a made-up number) and auto (its note says what it chose and why).
+Each method's output is first checked against the unfused one (the same check on every rank, so a
+wrong result fails the suite everywhere instead of being timed).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, ops
+from ..ops import _common
+from .harness import BenchContext, op_row, tensor_bytes, time_fn
+
+COLLECTIVE = {
+    "all_gather_matmul": "all_gather",
+    "matmul_reduce_scatter": "reduce_scatter",
+    "matmul_all_reduce": "all_reduce",
+}
+METHODS = ("unfused", "decomposed", "fused", "auto")
+
+# Agreement of a method's output with the unfused one, relative to max|unfused|. Loose: the
+# decomposed schedules sum partial products in another order, in the input dtype.
+CHECK_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def method_transport(method: str, ctx: BenchContext) -> str:
+    if ctx.world == 1:
+        return "none"
+    return "symm-mem" if method == "fused" else ctx.transport
+
+
+def agree_close(out: torch.Tensor, ref: torch.Tensor, what: str, ctx: BenchContext) -> None:
+    """Raise the same error on every rank if ``out`` differs from ``ref`` on any rank."""
+    tol = CHECK_TOL.get(ref.dtype, 5e-2)
+    err = (out.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(),
+                                                                 1e-30)
+    worst = torch.tensor([err if math.isfinite(err) else float("inf")], dtype=torch.float64,
+                         device=ctx.device if ctx.backend == "nccl" else "cpu")
+    if ctx.world > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.group)
+    if not worst.item() <= tol:
+        raise RuntimeError(f"{what}: output differs from method='unfused' by {worst.item():.3g} "
+                           f"(relative to max|unfused|; allowed {tol:g}); not timing a wrong result")
+
+
+def comm_alone(op: str, ctx: BenchContext, a: torch.Tensor, m_full: int, n: int
+               ) -> Callable[[], None]:
+    """The op's collective on buffers of the sizes the op communicates."""
+    w, g = ctx.world, ctx.group
+    if op == "all_gather_matmul":
+        gathered = a.new_empty((w * a.shape[0], a.shape[1]))
+        return lambda: comm.all_gather_single(gathered, a, group=g)
+    if op == "matmul_reduce_scatter":
+        full = torch.randn((m_full, n), device=a.device).to(a.dtype)
+        out = full.new_empty((m_full // w, n))
+        return lambda: comm.reduce_scatter_single(out, full, group=g)
+    buf = torch.zeros((m_full, n), device=a.device, dtype=a.dtype)  # zeros: repeated sums stay finite
+    return lambda: dist.all_reduce(buf, group=g)
+
+
+def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
+    """All rows of one ``benchmarks.shapes.OpShape``."""
+    op, dtype, w = shape.op, ctx.dtype, ctx.world
+    fn = getattr(ops, op)
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)
+    a = torch.randn(shape.a, generator=gen).to(ctx.device, dtype)
+    b = (torch.randn(shape.b, generator=gen) * shape.b[0] ** -0.5).to(ctx.device, dtype)
+    m_full = w * shape.a[0] if op == "all_gather_matmul" else shape.a[0]
+    k, n = shape.a[1], shape.b[1]
+    flop = 2.0 * m_full * n * k
+    collective = COLLECTIVE[op]
+    # nccl-tests' S: the gathered input (all-gather) or the unreduced product (the other two)
+    nbytes = tensor_bytes((m_full, k) if op == "all_gather_matmul" else (m_full, n), dtype)
+    label = f"{shape.label} a={shape.a[0]}x{shape.a[1]} b={shape.b[0]}x{shape.b[1]}"
+    common = dict(shape=label, dtype=dtype, flop=flop, collective=collective, nbytes=nbytes,
+                  m=m_full, n=n, k=k, op=op)
+
+    rows = []
+    a_full = torch.randn((m_full, k), generator=gen).to(ctx.device, dtype)
+    t_gemm = time_fn(lambda: a_full @ b, ctx)
+    rows.append(op_row(ctx, **{**common, "collective": None}, method="gemm alone",
+                       transport="none", ms=t_gemm))
+    t_comm: Optional[float] = None
+    if w > 1:
+        t_comm = time_fn(comm_alone(op, ctx, a, m_full, n), ctx)
+        rows.append(op_row(ctx, **{**common, "flop": 0.0}, method=f"{collective} alone",
+                           transport=ctx.transport, ms=t_comm))
+
+    ref = fn(a, b, ctx.group, method="unfused")
+    t_unfused: Optional[float] = None
+    for method in METHODS:
+        note = ""
+        try:
+            out = fn(a, b, ctx.group, method=method)
+        except _common.MethodUnavailable as e:  # raised on every rank alike
+            rows.append(op_row(ctx, **common, method=method, transport=method_transport(method, ctx),
+                               ms=None, status=f"unavailable: {e}"))
+            continue
+        agree_close(out, ref, f"{op}[{method}] at {shape.label}", ctx)
+        transport = method_transport(method, ctx)
+        if method == "auto":
+            choice = _common.prepare(op, a, b, ctx.group, "auto",
+                                     scatter_dim0=op == "matmul_reduce_scatter")[1]
+            transport = method_transport(choice.method, ctx)
+            chunks = f", {choice.chunks} chunks" if choice.chunks else ""
+            note = f"chose {choice.method}{chunks}: {choice.reason}"
+        ms = time_fn(lambda: fn(a, b, ctx.group, method=method), ctx)
+        if method == "unfused":
+            t_unfused = ms
+        rows.append(op_row(ctx, **common, method=method, transport=transport, ms=ms,
+                           t_baseline=t_unfused, t_gemm=t_gemm, t_comm=t_comm, note=note))
+    return rows
+
+
+def run_op_suite(ctx: BenchContext, op: str, shape_list) -> List[Dict]:
+    rows: List[Dict] = []
+    for shape in shape_list:
+        rows += bench_shape(ctx, shape)
+    return rows

@@ -1,0 +1,254 @@
+"""The benchmark harness's formulas, the shape lists, and the CLI end to end (2 gloo ranks)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyfused.bench import cli
+from pyfused.bench.harness import (
+    BenchContext, bandwidths, op_row, overlap_efficiency, speedup, tensor_bytes, tflops,
+    write_results,
+)
+from pyfused.benchmarks import shapes
+
+REPO = Path(__file__).resolve().parents[1]
+META = ("device", "backend", "world", "torch", "commit", "time", "validate", "iters", "transport")
+OP_SUITES = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
+             "matmul_all_reduce": "all_reduce"}
+
+
+def _ctx(world: int) -> BenchContext:
+    return BenchContext(0, world, None, torch.device("cpu"), "gloo")
+
+
+# ---- formulas, against numbers worked out by hand ---------------------------------------------
+
+def test_tflops_and_speedup():
+    # 2*M*N*K = 2 * 1024^3 = 2147483648 FLOP in 2 ms -> 1.073741824e12 FLOP/s
+    assert tflops(2 * 1024 ** 3, 2.0) == pytest.approx(1.073741824)
+    assert speedup(12.0, 8.0) == pytest.approx(1.5)
+    assert math.isnan(speedup(None, 8.0)) and math.isnan(tflops(1.0, 0.0))
+
+
+def test_bandwidths_follow_nccl_tests():
+    # all_gather, W=4, S = 4 ranks * 256 x 1024 bf16 = 2 MiB in 0.5 ms
+    s = tensor_bytes((4 * 256, 1024), torch.bfloat16)
+    assert s == 2097152
+    algbw, busbw = bandwidths("all_gather", s, 0.5, 4)
+    assert algbw == pytest.approx(4.194304)            # 2097152 B / 0.5e-3 s / 1e9
+    assert busbw == pytest.approx(4.194304 * 3 / 4)    # (n-1)/n
+    assert bandwidths("all_reduce", 1e9, 1000.0, 4) == pytest.approx((1.0, 1.5))      # 2(n-1)/n
+    assert bandwidths("reduce_scatter", 1e9, 1000.0, 2) == pytest.approx((1.0, 0.5))  # (n-1)/n
+
+
+def test_overlap_efficiency():
+    # T_gemm = 10, T_comm = 4: serial 14 -> 0, perfect max(10, 4) = 10 -> 1, 11 -> 3/4, 16 -> -1/2
+    assert overlap_efficiency(10, 4, 14) == pytest.approx(0.0)
+    assert overlap_efficiency(10, 4, 10) == pytest.approx(1.0)
+    assert overlap_efficiency(10, 4, 11) == pytest.approx(0.75)
+    assert overlap_efficiency(10, 4, 16) == pytest.approx(-0.5)
+    assert math.isnan(overlap_efficiency(10, None, 11))
+
+
+def test_op_row_columns():
+    # all_gather_matmul on W=2: whole GEMM M=8 (2 shards of 4), K=4, N=6, fp32, 1 us
+    row = op_row(_ctx(2), shape="s", dtype=torch.float32, method="decomposed", transport="gloo",
+                 ms=1e-3, flop=2 * 8 * 6 * 4, collective="all_gather",
+                 nbytes=tensor_bytes((8, 4), torch.float32), t_baseline=2e-3, t_gemm=0.8e-3,
+                 t_comm=0.6e-3, extra_col=7)
+    assert row["tflops"] == pytest.approx(384 / 1e-6 / 1e12)
+    assert row["algbw_GBps"] == pytest.approx(128 / 1e-6 / 1e9)   # 8*4*4 bytes
+    assert row["busbw_GBps"] == pytest.approx(0.064)               # x (2-1)/2
+    assert row["speedup"] == pytest.approx(2.0)
+    assert row["overlap_eff"] == pytest.approx((1.4 - 1.0) / 0.6)
+    assert row["dtype"] == "float32" and row["extra_col"] == 7 and row["status"] == "ok"
+    gone = op_row(_ctx(2), shape="s", dtype=torch.float32, method="fused", transport="symm-mem",
+                  ms=None, flop=1.0, collective="all_gather", nbytes=1.0, t_baseline=1.0,
+                  status="unavailable: no GPU")
+    assert all(math.isnan(gone[c]) for c in ("time_ms", "tflops", "algbw_GBps", "speedup"))
+    one = op_row(_ctx(1), shape="s", dtype=torch.float32, method="unfused", transport="none",
+                 ms=1.0, collective="all_reduce", nbytes=8.0)
+    assert math.isnan(one["busbw_GBps"])  # no bus traffic on one rank
+
+
+def test_write_results_nan_is_empty(tmp_path):
+    rows = [{"a": 1.5, "b": float("nan")}, {"a": 2.0, "c": "x"}]
+    csv_path, json_path = write_results(rows, tmp_path, "t")
+    assert json.loads(json_path.read_text()) == [{"a": 1.5, "b": None}, {"a": 2.0, "c": "x"}]
+    with csv_path.open() as f:
+        got = list(csv.DictReader(f))
+    assert got == [{"a": "1.5", "b": "", "c": ""}, {"a": "2.0", "b": "", "c": "x"}]
+
+
+# ---- shapes: the scaling rule ------------------------------------------------------------------
+
+def test_llama_shapes_scaled_and_sharded():
+    s = shapes.layer_shape("matmul_reduce_scatter", "llama3-8b", "mlp.down", 2, shapes.CPU_SCALE)
+    assert (s.a, s.b) == ((512, 896), (896, 512))          # F 14336/8 = 1792, /2 ranks; H 4096/8
+    s = shapes.layer_shape("all_gather_matmul", "llama3-70b", "mlp.gate_up", 2, shapes.CPU_SCALE)
+    assert (s.a, s.b) == ((256, 1024), (1024, 3584))       # S 512/2; 2F = 57344/8 = 7168, /2
+    s = shapes.layer_shape("all_gather_matmul", "llama3-8b", "attn.qkv", 3, shapes.CPU_SCALE)
+    assert (s.a, s.b) == ((171, 512), (512, 256))          # S 512 -> 513 = 3*171; qkv 6144/8 / 3
+    s = shapes.layer_shape("matmul_all_reduce", "llama3-70b", "mlp.down", 8, shapes.GPU_SCALE)
+    assert (s.a, s.b) == ((8192, 3584), (3584, 8192))      # full size on GPU
+    assert [x.label for x in shapes.parse(None, "matmul_all_reduce", 2, "cpu", True)] == \
+        ["llama3-8b/16 mlp.down S=128"]
+    lit = shapes.parse("64x32x48", "all_gather_matmul", 2, "cpu", False)
+    assert (lit[0].a, lit[0].b) == ((64, 32), (32, 48))
+    with pytest.raises(ValueError, match="divisible"):
+        shapes.parse("63x32x48", "matmul_reduce_scatter", 2, "cpu", False)
+    with pytest.raises(ValueError, match="unknown item"):
+        shapes.validate("llama3-9b")
+
+
+def test_unknown_suite_is_a_usage_error(capsys):
+    assert cli.main(["--suites", "no_such_suite"]) == 2
+    assert "no suite 'no_such_suite'" in capsys.readouterr().err
+
+
+# ---- the CLI end to end ------------------------------------------------------------------------
+
+def _run(cmd, tmp_path, extra_path=None, timeout=240):
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path or ""), str(REPO),
+                                                    env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _by(rows, **match):
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def test_cli_quick_end_to_end(tmp_path):
+    """Self-spawned 2 gloo ranks, --quick: a table on stdout, CSV+JSON with the metadata columns,
+    exactly one row per (shape, method), and columns that agree with the formulas."""
+    out = tmp_path / "out"
+    suites = list(OP_SUITES) + ["tp_mlp"]
+    r = _run([sys.executable, "-m", "pyfused.bench", "--quick", "--world", "2", "--no-progress",
+              "--suites", ",".join(suites), "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    for title in ("all_gather_matmul", "tp_mlp", "TFLOP/s", "busbw GB/s", "overlap eff"):
+        assert title in r.stdout
+    rows = json.loads((out / "all.json").read_text())
+    with (out / "all.csv").open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows)
+    for suite in suites:
+        assert (out / f"{suite}.csv").exists() and (out / f"{suite}.json").exists()
+    for row in rows:
+        for col in META:
+            assert row.get(col) not in (None, ""), (col, row)
+        assert row["world"] == 2 and row["backend"] == "gloo" and row["validate"] is True
+        assert row["transport"] in ("gloo", "none", "symm-mem")
+
+    for op, coll in OP_SUITES.items():
+        mine = _by(rows, suite=op)
+        methods = ["gemm alone", f"{coll} alone", "unfused", "decomposed", "fused", "auto"]
+        expected = sorted((s.label, m) for s in shapes.parse(None, op, 2, "cpu", True)
+                          for m in methods)
+        assert sorted((r["shape"].split(" a=")[0], r["method"]) for r in mine) == expected
+        for shape in {r["shape"] for r in mine}:
+            point = {r["method"]: r for r in _by(mine, shape=shape)}
+            assert point["fused"]["status"].startswith("unavailable:")
+            assert point["fused"]["time_ms"] is None and point["fused"]["transport"] == "symm-mem"
+            t_gemm = point["gemm alone"]["time_ms"]
+            t_comm = point[f"{coll} alone"]["time_ms"]
+            t_unf = point["unfused"]["time_ms"]
+            for m in ("unfused", "decomposed", "auto"):
+                row = point[m]
+                t = row["time_ms"]
+                assert row["status"] == "ok" and t > 0
+                assert row["tflops"] == pytest.approx(2 * row["m"] * row["n"] * row["k"] / t / 1e9)
+                assert row["speedup"] == pytest.approx(t_unf / t)
+                assert row["overlap_eff"] == pytest.approx((t_gemm + t_comm - t) / min(t_gemm, t_comm))
+                elem = 4  # float32
+                s = (row["m"] * (row["k"] if op == "all_gather_matmul" else row["n"])) * elem
+                factor = {"all_reduce": 1.0}.get(coll, 0.5)  # 2(n-1)/n or (n-1)/n at n=2
+                assert row["algbw_GBps"] == pytest.approx(s / t / 1e6)
+                assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
+            assert point["auto"]["note"].startswith("chose ")
+
+    mlp = _by(rows, suite="tp_mlp")
+    labels = {r["shape"] for r in mlp}
+    assert labels and all(l.endswith((" TP", " SP")) for l in labels)
+    for shape in labels:
+        got = sorted(r["method"] for r in _by(mlp, shape=shape))
+        assert got == sorted(["torch-tp", "unfused", "decomposed", "fused", "auto"])
+        torch_tp = _by(mlp, shape=shape, method="torch-tp")[0]
+        dec = _by(mlp, shape=shape, method="decomposed")[0]
+        assert dec["speedup_vs_torch_tp"] == pytest.approx(torch_tp["time_ms"] / dec["time_ms"])
+
+
+FAKE_SUITES = {
+    "bench_ok.py": """
+        import torch, torch.distributed as dist
+        MULTI_RANK = True
+        def run(ctx):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=ctx.group)
+            return [{"shape": "x", "method": "m", "time_ms": float(t.item()), "world_seen": ctx.world}]
+    """,
+    "bench_single.py": """
+        MULTI_RANK = False
+        def run(ctx):
+            assert ctx.world == 1 and ctx.rank == 0
+            return [{"shape": "y", "method": "single", "time_ms": 1.0}]
+    """,
+    "bench_raises.py": """
+        MULTI_RANK = True
+        def run(ctx):
+            raise ValueError("boom on every rank")
+    """,
+    "bench_rank1.py": """
+        import torch, torch.distributed as dist
+        MULTI_RANK = True
+        def run(ctx):
+            if ctx.rank == 1:
+                raise RuntimeError("boom on rank 1 only")
+            dist.all_reduce(torch.ones(1), group=ctx.group)  # waits for rank 1: must time out
+            return [{"shape": "z", "method": "m", "time_ms": 1.0}]
+    """,
+    "bench_nomulti.py": """
+        def run(ctx):
+            return []
+    """,
+}
+
+
+def test_cli_survives_failing_suites_under_torchrun(tmp_path):
+    """Under torchrun: suites that raise everywhere, on one rank only (the other rank's collective
+    times out), or lack MULTI_RANK are failed rows; the suites after them still run; exit != 0."""
+    pkg = tmp_path / "fakesuites"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, src in FAKE_SUITES.items():
+        (pkg / name).write_text(textwrap.dedent(src))
+    order = ["raises", "rank1", "nomulti", "ok", "single"]
+    out = tmp_path / "out"
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "pyfused.bench", "--no-progress", "--timeout", "3", "--out", str(out),
+              "--suites", ",".join(f"fakesuites.bench_{n}" for n in order)],
+             tmp_path, extra_path=tmp_path, timeout=120)
+    assert r.returncode != 0
+    rows = {row["suite"]: row for row in json.loads((out / "all.json").read_text())}
+    assert list(rows) == order
+    assert rows["raises"]["status"] == "failed on rank(s) [0, 1]: ValueError: boom on every rank"
+    assert rows["rank1"]["status"].startswith("failed on rank(s) [0, 1]")  # rank 0 timed out
+    assert "MULTI_RANK" in rows["nomulti"]["status"]
+    assert rows["ok"]["status"] == "ok" and rows["ok"]["time_ms"] == 2.0  # the sum over 2 ranks
+    assert rows["ok"]["world_seen"] == 2 and rows["ok"]["transport"] == "gloo"
+    assert rows["single"]["status"] == "ok" and rows["single"]["transport"] == "none"
+    assert rows["single"]["world"] == 1
+    assert "boom on rank 1 only" in r.stderr and "2 suite(s) ok, 3 FAILED" in r.stdout
