@@ -1,0 +1,270 @@
+"""``pyfused.parallelize(model, mesh, plan="auto", *, sequence_parallel=True)``.
+
+Order of work (every rank runs the same steps on the same full model):
+  1. local checks that need no communication: the mesh's dims, the plan (``plan="auto"`` picks the
+     family from ``config.model_type``), every parameter covered, every sharded size divisible;
+  2. one ``comm.agree`` over the default group: all ranks must hold the same model (a fingerprint of
+     parameter names, shapes and dtypes) and options, and any rank's problem is raised on every rank
+     with the same message -- before any other collective;
+  3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
+  4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp`` with
+     pyfused's DistributedDataParallel.
+
+The returned ``ParallelModel`` is called like the original model and returns what it returns;
+``full_state_dict()`` / ``load_full_state_dict()`` translate to and from the original model's state.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from .._logging import logger
+from . import plans as plans_mod
+from . import tensor_parallel as tp_mod
+from .shard import ShardSpec
+
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+class ParallelizeError(comm.InputError):
+    """Raised by ``parallelize`` with the same message on every rank."""
+
+
+class MeshInfo:
+    """Size, group and this rank's coordinate of each of dp / tp / pp (size 1 where absent)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        self.names = names
+        self.size: Dict[str, int] = {d: 1 for d in MESH_DIMS}
+        self.group: Dict[str, Any] = {d: None for d in MESH_DIMS}
+        self.coord: Dict[str, int] = {d: 0 for d in MESH_DIMS}
+        for i, name in enumerate(names):
+            if name in MESH_DIMS:
+                self.size[name] = mesh.size(i)
+                self.group[name] = mesh.get_group(name)
+                self.coord[name] = mesh.get_local_rank(name)
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
+
+
+def _mesh_problem(mesh) -> Optional[str]:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        return "torch.distributed.device_mesh is not available in this torch build"
+    if not isinstance(mesh, DeviceMesh):
+        return f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}"
+    names = tuple(mesh.mesh_dim_names or ())
+    if len(names) != mesh.ndim:
+        return "mesh needs named dims: init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
+    bad = [n for n in names if n not in MESH_DIMS]
+    if bad or len(set(names)) != len(names):
+        return f"mesh dims must be distinct names among {MESH_DIMS}; got {names}"
+    if mesh.size() != dist.get_world_size():
+        return (f"the mesh has {mesh.size()} ranks but the default group {dist.get_world_size()}; "
+                f"parallelize a model over the whole job's mesh")
+    return None
+
+
+def _fingerprint(model: nn.Module) -> int:
+    text = type(model).__name__ + ";" + ";".join(
+        f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.state_dict(keep_vars=True).items())
+    return zlib.crc32(text.encode()) & 0x3FFFFFFF
+
+
+def _agree(model_fp: int, sizes, sp: bool, problem: Optional[str]) -> None:
+    err = zlib.crc32(problem.encode()) & 0x3FFFFFFF if problem else 0
+    sig = comm.Signature(comm.op_code("parallelize"), (model_fp, *sizes, int(sp), err), ())
+
+    def check(sigs):
+        msg = comm.differs(sigs, "the mesh (dp, pp, tp) or sequence_parallel",
+                           lambda s: s.ints[1:5])
+        if msg:
+            return msg
+        if comm.differs(sigs, "model", lambda s: s.ints[0]):
+            bad = next(r for r, s in enumerate(sigs) if s.ints[0] != sigs[0].ints[0])
+            return (f"the model differs between ranks (parameter names, shapes or dtypes of rank {bad} "
+                    f"differ from rank 0's): build the same model on every rank")
+        failing = [r for r, s in enumerate(sigs) if s.ints[5]]
+        if not failing:
+            return None
+        if all(s.ints[5] == sigs[0].ints[5] for s in sigs) and problem:
+            return problem
+        return f"rank(s) {failing} cannot parallelize the model (see their logs)"
+
+    try:
+        comm.agree(None, sig, check)
+    except comm.InputError as e:
+        raise ParallelizeError(str(e)) from None
+
+
+def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
+                sequence_parallel: bool = True, overlap: str = "auto",
+                **pipeline_options) -> "ParallelModel":
+    """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
+
+    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1) covering the job.
+    ``plan``: "auto" (Llama family or GPT-2) or ``{module pattern: style}`` (plans.py).
+    ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
+    ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
+    ``pipeline_options``: for pp > 1, see pyfused/parallelize/pipeline.py.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
+                           "init_process_group) and a DeviceMesh over it")
+    problem = _mesh_problem(mesh)
+    info = MeshInfo(mesh) if problem is None else None
+    sizes = tuple(info.size[d] for d in MESH_DIMS) if info else (0, 0, 0)
+    resolved = None
+    if problem is None:
+        try:
+            resolved = plans_mod.resolve(model, plans_mod.auto_plan(model) if plan == "auto" else plan)
+        except plans_mod.PlanError as e:
+            problem = str(e)
+    if problem is None:
+        problem = tp_mod.check(model, resolved, info.size["tp"], sequence_parallel)
+    if problem is None and info.size["pp"] > 1:
+        from . import pipeline as pp_mod
+
+        problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
+    if problem is None and info.size["pp"] == 1 and pipeline_options:
+        problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
+    _agree(_fingerprint(model), sizes, bool(sequence_parallel), problem)
+
+    tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
+                               sequence_parallel, overlap)
+    pipelined = info.size["pp"] > 1
+    stage = None
+    if pipelined:
+        from . import pipeline as pp_mod
+
+        stage = pp_mod.PipelinedModel.build(model, resolved, info, tp, **pipeline_options)
+    elif info.size["tp"] > 1:
+        tp.apply(model, resolved)
+    logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
+                info.describe(), tp.sp)
+    return ParallelModel(model, info, tp, stage)
+
+
+class ParallelModel(nn.Module):
+    """The parallelized model: called like the original, returns what it returns.
+
+    ``module`` is the original model object, sharded in place (with pp > 1: only this rank's stage
+    keeps its blocks). ``full_state_dict()`` and ``load_full_state_dict()`` use the original model's
+    keys and shapes; ``state_dict()`` is this rank's shard.
+    """
+
+    def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None):
+        super().__init__()
+        self.module = module
+        # not registered as submodules: parameters and state_dict come from ``module`` alone
+        object.__setattr__(self, "mesh_info", info)
+        object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_stage", stage)
+        runner = module
+        if info.size["dp"] > 1:
+            runner = _wrap_data_parallel(module, info.group["dp"])
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_full_keys", self._key_shapes())
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self._runner is not self.module:
+            self._runner.train(mode)
+        return self
+
+    @property
+    def mesh(self):
+        return self.mesh_info.mesh
+
+    def forward(self, *args, **kwargs):
+        self._check_sequence(args, kwargs)
+        if self._stage is not None:
+            return self._stage.run(self._runner, args, kwargs)
+        return self._runner(*args, **kwargs)
+
+    def _check_sequence(self, args, kwargs) -> None:
+        if not self._tp.sp:
+            return
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % self._tp.world:
+            from .sequence import _check_divisible
+
+            _check_divisible(x.shape[1], self._tp.world)
+
+    # ---- state dicts ----------------------------------------------------------------------------
+    def _spec_of(self, key: str, t: torch.Tensor) -> ShardSpec:
+        spec = self._tp.param_specs.get(id(t))
+        return spec if spec is not None else ShardSpec(tuple(t.shape))
+
+    def _key_shapes(self) -> Dict[str, tuple]:
+        if self._stage is not None:
+            return self._stage.full_key_shapes
+        return {k: self._spec_of(k, t).full_shape for k, t in self.module.state_dict(keep_vars=True).items()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The original model's state dict, on every rank (a collective over the whole mesh)."""
+        local = {k: self._spec_of(k, t).gather(t, self._tp.pg)
+                 for k, t in self.module.state_dict(keep_vars=True).items()}
+        if self._stage is not None:
+            return self._stage.gather_stages(local)
+        return local
+
+    @torch.no_grad()
+    def full_grad_dict(self) -> Dict[str, torch.Tensor]:
+        """``{parameter name: the full model's gradient}`` (as ``named_parameters()`` of the original
+        names them), on every rank; a collective over the whole mesh. For checks and debugging."""
+        local = {}
+        for name, p in self.module.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            local[name] = self._spec_of(name, p).gather(g, self._tp.pg)
+        if self._stage is not None:
+            return self._stage.gather_stages(local)
+        return local
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load the original model's state dict (the same on every rank): each rank takes its shard."""
+        own = self.module.state_dict(keep_vars=True)
+        tied = {}
+        for k, t in own.items():
+            tied.setdefault(id(t), []).append(k)
+        missing = [k for k in self._full_keys if k not in state
+                   and not (k in own and any(o in state for o in tied[id(own[k])]))]
+        unexpected = [k for k in state if k not in self._full_keys]
+        if missing or unexpected:
+            raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
+                           f"{unexpected[:5]} (counts {len(missing)}, {len(unexpected)})")
+        for k, want in self._full_keys.items():
+            if k in state and tuple(state[k].shape) != tuple(want):
+                raise ValueError(f"load_full_state_dict: {k} has shape {list(state[k].shape)}, the model "
+                                 f"expects {list(want)}")
+        for k, t in own.items():
+            src = state.get(k)
+            if src is None:
+                src = next(state[o] for o in tied[id(t)] if o in state)
+            t.copy_(self._spec_of(k, t).shard(src.to(t.device)))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # config, generation settings... of the wrapped model
+            return getattr(self._modules["module"], name)
+
+
+def _wrap_data_parallel(module: nn.Module, group):
+    from ..layers import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=group)

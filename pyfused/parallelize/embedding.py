@@ -1,0 +1,72 @@
+"""Vocabulary-parallel embedding (Megatron's VocabParallelEmbedding).
+
+Rank r of the TP group holds rows ``r*V/W .. (r+1)*V/W`` of the ``[V, h]`` table -- the same rows a
+vocab-parallel LM head (``ColumnParallelLinear`` over V) holds, so a tied LM head shares this very
+Parameter. Each rank looks up the ids that fall in its range, writes zeros for the others, and the
+partial outputs are all-reduced: every rank gets the full ``[..., h]`` embedding (replicated; the
+model's own code then reads its batch-first shape). Backward is the identity: each rank's table shard
+gets the gradient of exactly the rows it owns.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import comm
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, pg):
+        if comm.world_size(pg) > 1:
+            x = x.contiguous()
+            dist.all_reduce(x, group=pg)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
+                 group=None, device=None, dtype=None):
+        super().__init__()
+        self.pg = comm.resolve_group(group)
+        self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
+        if num_embeddings % self.world_size:
+            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} must be divisible "
+                             f"by the tensor-parallel size {self.world_size}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.local_rows = num_embeddings // self.world_size
+        self.start = self.rank * self.local_rows
+        self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))
+        nn.init.normal_(self.weight)
+
+    def _local_padding_idx(self) -> Optional[int]:
+        if self.padding_idx is None:
+            return None
+        pad = self.padding_idx % self.num_embeddings
+        return pad - self.start if self.start <= pad < self.start + self.local_rows else None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            # the same ids reach every TP rank, so every rank raises here, before the all-reduce
+            raise IndexError(f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}); "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+        outside = (ids < self.start) | (ids >= self.start + self.local_rows)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self._local_padding_idx())
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _ReduceFromGroup.apply(out, self.pg)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.start}.."
+                f"{self.start + self.local_rows - 1}), padding_idx={self.padding_idx}, "
+                f"world={self.world_size}")

@@ -1,0 +1,55 @@
+"""How each parameter of a parallelized model relates to the original model's tensor of the same name.
+
+A ``ShardSpec`` maps the original (full) tensor to this rank's local one and back:
+
+  * ``dim=None``: replicated, local == full;
+  * ``dim=d``: the full tensor (after ``transpose`` -- GPT-2's ``Conv1D`` stores ``[in, out]``, our
+    layers ``nn.Linear``'s ``[out, in]``) is cut along ``d`` into ``parts`` equal groups (3 for a fused
+    q|k|v projection, else 1) and rank r keeps chunk r of every group, concatenated. For a fused
+    q|k|v that gives each rank its own heads of q, k and v, in that order, so the attention code's
+    ``split(local_width)`` still finds q, k, v.
+
+``shard`` runs locally; ``gather`` is a collective over the TP group (every TP rank must call it for
+the same parameters in the same order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import comm
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    full_shape: tuple
+    dim: Optional[int] = None
+    parts: int = 1
+    transpose: bool = False
+    world: int = 1
+    rank: int = 0
+
+    def shard(self, full: Tensor) -> Tensor:
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected a tensor of shape {list(self.full_shape)}, got {list(full.shape)}")
+        t = full.t() if self.transpose else full
+        if self.dim is None or self.world == 1:
+            return t
+        groups = t.chunk(self.parts, dim=self.dim)
+        return torch.cat([g.chunk(self.world, dim=self.dim)[self.rank] for g in groups], dim=self.dim)
+
+    def gather(self, local: Tensor, pg) -> Tensor:
+        local = local.detach()
+        if self.dim is None or self.world == 1:
+            full = local.clone()
+        else:
+            stacked = local.new_empty((self.world * local.numel(),))
+            comm.all_gather_single(stacked, local.contiguous().view(-1), group=pg)
+            pieces = [p.view(local.shape) for p in stacked.chunk(self.world)]
+            split = [p.chunk(self.parts, dim=self.dim) for p in pieces]
+            full = torch.cat([torch.cat([split[r][j] for r in range(self.world)], dim=self.dim)
+                              for j in range(self.parts)], dim=self.dim)
+        return full.t().contiguous() if self.transpose else full

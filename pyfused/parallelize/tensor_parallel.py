@@ -1,0 +1,251 @@
+"""Apply a resolved plan's tensor (and sequence) parallelism to a model, in place.
+
+Modules keep their names, and the pyfused layers keep ``weight`` / ``bias``, so the parallel model's
+parameter names are the original's; ``specs`` says, per state-dict key, how the local tensor relates
+to the original one (pyfused/parallelize/shard.py).
+
+``check`` runs first, locally and without communication, so that a model TP cannot split fails with
+the same message on every rank before any layer (whose constructor agrees over the group) is built.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .._logging import logger
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from .embedding import VocabParallelEmbedding
+from .plans import ATTENTION_STYLES, HEAD_ATTRIBUTES, LINEAR_STYLES, ResolvedPlan, is_conv1d
+from .sequence import (
+    SequenceParallelColumn, SequenceParallelRow, gather_from_sequence_shard, scatter_to_sequence_shard,
+    sum_grad_over_group,
+)
+from .shard import ShardSpec
+
+
+def _linear_dims(module: nn.Module):
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+def _under(name: str, parent: Optional[str]) -> bool:
+    return parent is not None and name.startswith(parent + ".")
+
+
+def _enclosing_attention(styles: Dict[str, str], name: str) -> Optional[str]:
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mod = ".".join(parts[:i])
+        if styles.get(mod) in ATTENTION_STYLES:
+            return styles[mod]
+    return None
+
+
+def head_counts(model: nn.Module):
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv
+
+
+def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: bool) -> Optional[str]:
+    """The first reason TP of size ``tp`` cannot apply the plan to this model, or None."""
+    modules = dict(model.named_modules())
+    styles = resolved.styles
+    if sequence_parallel and tp > 1 and not resolved.blocks:
+        return "sequence_parallel=True needs a 'blocks' entry in the plan (the sequence-parallel region)"
+    embedding_weights = {id(modules[n].weight): n for n, s in styles.items() if s == "embedding"}
+    for name, style in styles.items():
+        m = modules[name]
+        if style in LINEAR_STYLES:
+            fin, fout = _linear_dims(m)
+            if style == "colwise_qkv":
+                if fout % 3:
+                    return f"{name}: style 'colwise_qkv' needs out_features divisible by 3, got {fout}"
+                fout //= 3
+            sharded, what = (fin, "in_features") if style == "rowwise" else (fout, "out_features")
+            if style == "colwise_qkv":
+                what = "out_features / 3"
+            if sharded % tp:
+                return (f"{name}: {what}={sharded} is not divisible by the tensor-parallel size {tp}")
+        if style == "colwise_gather_output":
+            for ename in embedding_weights.values():
+                e = modules[ename]
+                if e.weight is m.weight and e.num_embeddings != _linear_dims(m)[1]:
+                    return f"{name} is tied to {ename} but their vocabulary sizes differ"
+        if style == "embedding" and m.num_embeddings % tp:
+            return (f"{name}: vocabulary size {m.num_embeddings} is not divisible by the tensor-parallel "
+                    f"size {tp} (pad the vocabulary to a multiple of {tp})")
+        if style in ATTENTION_STYLES:
+            heads, kv = head_counts(model)
+            if heads is None:
+                return f"{name}: the model's config has no num_attention_heads to divide across TP ranks"
+            if heads % tp:
+                return (f"{name}: num_attention_heads={heads} is not divisible by the tensor-parallel "
+                        f"size {tp}")
+            if kv % tp:
+                return (f"{name}: num_key_value_heads={kv} is not divisible by the tensor-parallel size "
+                        f"{tp} (grouped-query attention shards whole KV heads)")
+            for attr in HEAD_ATTRIBUTES:
+                v = getattr(m, attr, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v % tp:
+                    return f"{name}.{attr}={v} is not divisible by the tensor-parallel size {tp}"
+    # a parameter shared between modules (a tied LM head) must be sharded the same way in each
+    shared: Dict[int, List[tuple]] = {}
+    for name, style in styles.items():
+        w = getattr(modules[name], "weight", None)
+        if isinstance(w, nn.Parameter) and style not in ATTENTION_STYLES + ("blocks",):
+            shared.setdefault(id(w), []).append((name, style))
+    for users in shared.values():
+        kinds = sorted(st for _, st in users)
+        ok = (len(set(kinds)) == 1 and kinds[0] in ("replicate", "sequence_parallel")
+              or kinds == ["colwise_gather_output", "embedding"])
+        if len(users) > 1 and not ok:
+            return ("a tied weight is used by " + ", ".join(f"{n} ({st})" for n, st in users)
+                    + ": only an 'embedding' tied to a 'colwise_gather_output' LM head can share a shard")
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _linear_layout(module: nn.Module) -> torch.Tensor:
+    return module.weight.detach().t() if is_conv1d(module) else module.weight.detach()
+
+
+class TensorParallel:
+    """What applying TP did to a model: the per-key specs and the hooks it installed."""
+
+    def __init__(self, pg, world: int, rank: int, sequence_parallel: bool, overlap: str):
+        self.pg, self.world, self.rank = pg, world, rank
+        self.sp = sequence_parallel and world > 1
+        self.overlap = overlap
+        self.param_specs: Dict[int, ShardSpec] = {}  # id(parameter) -> spec
+        self.hooks: list = []
+
+    def spec(self, full_shape, dim=None, parts=1, transpose=False) -> ShardSpec:
+        return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank)
+
+    def apply(self, model: nn.Module, resolved: ResolvedPlan, install_region: bool = True) -> None:
+        """Shard ``model`` in place. ``install_region=False`` leaves entering/leaving the sequence-parallel
+        region to the caller (the pipeline does it per stage)."""
+        styles = resolved.styles
+        block_list = resolved.blocks[0] if resolved.blocks else None
+        modules = dict(model.named_modules())
+        embeddings = {}  # id(original weight) -> new embedding module
+        heads = []
+        for name, style in styles.items():  # named_modules order: the same on every rank
+            m = modules[name]
+            in_region = self.sp and _under(name, block_list)
+            if style in LINEAR_STYLES:
+                new = self._linear(m, style, in_region, _enclosing_attention(styles, name))
+                _set_submodule(model, name, new)
+                if style == "colwise_gather_output" and id(m.weight) in embeddings:
+                    self.param_specs.pop(id(new.weight))
+                    new.weight = embeddings[id(m.weight)].weight  # tied: the same vocab rows here
+            elif style == "embedding":
+                new = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
+                                             group=self.pg, device=m.weight.device, dtype=m.weight.dtype)
+                spec = self.spec(m.weight.shape, dim=0)
+                with torch.no_grad():
+                    new.weight.copy_(spec.shard(m.weight.detach()))
+                self.param_specs[id(new.weight)] = spec
+                embeddings[id(m.weight)] = new
+                _set_submodule(model, name, new)
+            elif style in ATTENTION_STYLES:
+                heads.append(name)
+                self._divide_heads(name, m)
+                if style == "attention" and in_region:
+                    self.hooks.append(m.register_forward_pre_hook(self._gather_input, with_kwargs=True))
+            elif style == "sequence_parallel" and in_region:
+                for p in m.parameters():
+                    handle = sum_grad_over_group(p, self.pg)
+                    if handle is not None:
+                        self.hooks.append(handle)
+        # a tied LM head processed before its embedding (not the case in transformers' models)
+        for name, style in styles.items():
+            if style == "colwise_gather_output":
+                lm = model.get_submodule(name)
+                orig = modules[name]
+                if id(orig.weight) in embeddings and lm.weight is not embeddings[id(orig.weight)].weight:
+                    self.param_specs.pop(id(lm.weight))
+                    lm.weight = embeddings[id(orig.weight)].weight
+        if install_region and self.sp and block_list is not None:
+            self.install_sequence_region(list(model.get_submodule(block_list)))
+        logger.debug("pyfused.parallelize: TP=%d (sequence_parallel=%s) applied to %d modules; head "
+                     "counts divided in %d attention modules", self.world, self.sp, len(styles), len(heads))
+
+    def _linear(self, m: nn.Module, style: str, in_region: bool, attention: Optional[str]) -> nn.Module:
+        fin, fout = _linear_dims(m)
+        has_bias = m.bias is not None
+        factory = {"device": m.weight.device, "dtype": m.weight.dtype, "overlap": self.overlap}
+        conv = is_conv1d(m)
+        parts = 3 if style == "colwise_qkv" else 1
+        if style == "rowwise":
+            cls = SequenceParallelRow if in_region else RowParallelLinear
+            new = cls(fin, fout, has_bias, group=self.pg, sequence_parallel=in_region, **factory)
+            wspec = self.spec(m.weight.shape, dim=1, transpose=conv)
+            bspec = self.spec(m.bias.shape) if has_bias else None
+        else:
+            gather = style == "colwise_gather_output"
+            # in the SP region a column layer gathers the shard itself, unless an enclosing
+            # 'attention' module already gathered its input (then the input is replicated)
+            seq = in_region and not gather and attention != "attention"
+            cls = SequenceParallelColumn if seq else ColumnParallelLinear
+            new = cls(fin, fout, has_bias, group=self.pg, gather_output=gather, sequence_parallel=seq,
+                      **factory)
+            wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv)
+            bspec = self.spec(m.bias.shape, dim=0, parts=parts) if has_bias else None
+        with torch.no_grad():
+            new.weight.copy_(wspec.shard(m.weight.detach()))
+            if has_bias:
+                new.bias.copy_(bspec.shard(m.bias.detach()))
+        self.param_specs[id(new.weight)] = wspec
+        if has_bias:
+            self.param_specs[id(new.bias)] = bspec
+        return new
+
+    def _divide_heads(self, name: str, m: nn.Module) -> None:
+        changed = []
+        for attr in HEAD_ATTRIBUTES:
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(m, attr, v // self.world)
+                changed.append(f"{attr} {v}->{v // self.world}")
+        logger.debug("pyfused.parallelize: %s: %s", name, ", ".join(changed) or
+                     "no head-count attribute (shapes come from the projections)")
+
+    def _gather_input(self, module, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs = dict(kwargs, hidden_states=gather_from_sequence_shard(kwargs["hidden_states"], self.pg))
+        elif args:
+            args = (gather_from_sequence_shard(args[0], self.pg), *args[1:])
+        else:
+            raise ValueError(f"{type(module).__name__}: no hidden_states input to gather")
+        return args, kwargs
+
+    def install_sequence_region(self, blocks: List[nn.Module]) -> None:
+        """Enter the sequence-parallel region at the first of ``blocks``, leave it after the last."""
+        if not self.sp or not blocks:
+            return
+        pg = self.pg
+
+        def enter(module, args, kwargs):
+            if "hidden_states" in kwargs:
+                return args, dict(kwargs, hidden_states=scatter_to_sequence_shard(kwargs["hidden_states"], pg))
+            return (scatter_to_sequence_shard(args[0], pg), *args[1:]), kwargs
+
+        def leave(module, args, kwargs, output):
+            if isinstance(output, tuple):
+                return (gather_from_sequence_shard(output[0], pg), *output[1:])
+            return gather_from_sequence_shard(output, pg)
+
+        self.hooks.append(blocks[0].register_forward_pre_hook(enter, with_kwargs=True))
+        self.hooks.append(blocks[-1].register_forward_hook(leave, with_kwargs=True))
