@@ -205,6 +205,10 @@ def test_gpu_wait_for_late_sources():
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     one = torch.ones(1, dtype=torch.int32).pin_memory()
     rows = m // chunks
+    launch = dict(num_chunks=chunks, chunk_order=[1, 0, 3, 2], wait_flags=flags, status=status)
+    flags.fill_(1)
+    multi_source_reduce(srcs, **launch)  # compile first: the real launch must be instant
+    flags.zero_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.synchronize()
@@ -214,8 +218,8 @@ def test_gpu_wait_for_late_sources():
             for q in range(p):
                 srcs[q][c * rows:(c + 1) * rows].copy_(host[q][c * rows:(c + 1) * rows], non_blocking=True)
                 flags[q, c:c + 1].copy_(one, non_blocking=True)
-    out = multi_source_reduce(srcs, num_chunks=chunks, chunk_order=[1, 0, 3, 2], wait_flags=flags,
-                              status=status)
+    out = multi_source_reduce(srcs, **launch)
+    assert not side.query(), "the sources had landed before the kernel was queued: nothing was tested"
     torch.cuda.synchronize()
     assert status.item() == 0
     assert_close(out, reduce_ref(host)[0], torch.bfloat16)

@@ -79,6 +79,7 @@ def describe_gemm_timeout(code: int) -> str:
 
 
 _autotuned: Dict[Tuple[str, str], object] = {}
+AUTOTUNE_K_MULTIPLE = 64
 
 
 def _autotuned_kernel(arch: str, dtype: torch.dtype, allow_tf32: bool):
@@ -90,10 +91,13 @@ def _autotuned_kernel(arch: str, dtype: torch.dtype, allow_tf32: bool):
 
     key = (arch, dtype_class(dtype, allow_tf32))
     if key not in _autotuned:
+        candidates = autotune_candidates(arch, dtype, allow_tf32)
+        if any(AUTOTUNE_K_MULTIPLE % c.block_k for c in candidates):
+            raise ValueError(f"autotune candidates must have BLOCK_K dividing {AUTOTUNE_K_MULTIPLE}")
         configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                                   "GROUP_M": c.group_m}, num_warps=c.num_warps,
                                  num_stages=c.num_stages)
-                   for c in autotune_candidates(arch, dtype, allow_tf32)]
+                   for c in candidates]
         _autotuned[key] = triton.autotune(
             configs=configs, key=["M", "N", "K", "stride_ak", "stride_bk", "stride_bn"],
         )(persistent_gemm_kernel)
@@ -146,6 +150,26 @@ def _out_table(out_chunks, plan: GemmPlan, dtype: torch.dtype, device: torch.dev
     return table
 
 
+def _check_options(autotune, config, device, num_chunks, chunk_order, wait_flags, wait_expected,
+                   signal_counters, scatter, spin_limit, flag_scope, signal_scope) -> None:
+    collective = (wait_flags is not None or signal_counters is not None or scatter
+                  or num_chunks != 1 or chunk_order is not None)
+    if autotune and (collective or config is not None):
+        raise ValueError("autotune=True times configs on this process only, so ranks could pick "
+                         "different tiles (and different tile counts per chunk); it is allowed only "
+                         "for a plain GEMM without config, wait, signal, scatter or chunking. Pick a "
+                         "config once (rank 0) and pass config= on every rank instead.")
+    if autotune and device.type != "cuda":
+        raise ValueError("autotune=True needs a GPU (the interpreter's timings mean nothing)")
+    check_scope("flag_scope", flag_scope)
+    check_scope("signal_scope", signal_scope)
+    for name, flags in (("wait_flags", wait_flags), ("signal_counters", signal_counters)):
+        if flags is not None:
+            check_flags(name, flags, (num_chunks,), device)
+    if wait_flags is not None:
+        check_wait_args("wait_flags", wait_flags, wait_expected, spin_limit)
+
+
 def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str = "kn",
          out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
          num_chunks: int = 1, chunk_order: Optional[Sequence[int]] = None,
@@ -176,7 +200,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     Returns ``out``, or ``out_chunks`` when scattering.
     """
     from pyfused.kernels.gemm import persistent_gemm_kernel
-    from pyfused.kernels.gemm_configs import NOMINAL_SMS, arch_of
+    from pyfused.kernels.gemm_configs import NOMINAL_SMS
 
     m, n, k = _check_inputs(a, b, bias, b_layout)
     device = a.device
@@ -185,70 +209,53 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
         allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     allow_tf32 = allow_tf32 and a.dtype == torch.float32
     wait, signal, scatter = wait_flags is not None, signal_counters is not None, out_chunks is not None
-    collective = wait or signal or scatter or num_chunks != 1 or chunk_order is not None
-    if autotune and (collective or config is not None):
-        raise ValueError("autotune=True times configs on this process only, so ranks could pick "
-                         "different tiles (and different tile counts per chunk); it is allowed only "
-                         "for a plain GEMM without config, wait, signal, scatter or chunking. Pick a "
-                         "config once (rank 0) and pass config= on every rank instead.")
-    if autotune and device.type != "cuda":
-        raise ValueError("autotune=True needs a GPU (the interpreter's timings mean nothing)")
+    _check_options(autotune, config, device, num_chunks, chunk_order, wait_flags, wait_expected,
+                   signal_counters, scatter, spin_limit, flag_scope, signal_scope)
     plan = plan_gemm(m, n, k, a.dtype, device, num_chunks=num_chunks, config=config,
                      allow_tf32=allow_tf32)
     order = chunk_order_tensor(chunk_order, num_chunks, device)
-    check_scope("flag_scope", flag_scope)
-    check_scope("signal_scope", signal_scope)
-    for name, flags in (("wait_flags", wait_flags), ("signal_counters", signal_counters)):
-        if flags is not None:
-            check_flags(name, flags, (num_chunks,), device)
-    if wait:
-        check_wait_args("wait_flags", wait_flags, wait_expected, spin_limit)
     if status is None:
         status = new_status(device)
     else:
         check_flags("status", status, (1,), device)
 
-    out_dtype = out_dtype or a.dtype
+    out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
     if scatter:
         if out is not None:
             raise ValueError("give either out or out_chunks, not both")
         table = _out_table(out_chunks, plan, out_dtype, device)
-        stride_cm, stride_cn = table.stride
-        # The kernel takes C's element type from c_arg; with raw addresses any tensor of the type does.
+        # The kernel takes C's element type from its c argument; with raw addresses any tensor of
+        # the type will do.
         c_arg = (table.keep_alive[0] if table.keep_alive
                  else torch.empty(1, dtype=out_dtype, device=device))
+        c_strides = table.stride
     else:
         if out is None:
             out = torch.empty((m, n), dtype=out_dtype, device=device)
-        if tuple(out.shape) != (m, n) or out.device != device:
-            raise ValueError(f"out must be ({m}, {n}) on {device}, got {tuple(out.shape)} on {out.device}")
-        table, c_arg, (stride_cm, stride_cn) = None, out, out.stride()
-
-    stride_bk, stride_bn = (b.stride(0), b.stride(1)) if b_layout == "kn" else (b.stride(1), b.stride(0))
+        if tuple(out.shape) != (m, n) or out.device != device or out.dtype != out_dtype:
+            raise ValueError(f"out must be ({m}, {n}) {out_dtype} on {device}, got "
+                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        table, c_arg, c_strides = None, out, out.stride()
     if num_programs is None:
         num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else NOMINAL_SMS["interpreter"])
+    if not isinstance(num_programs, int) or num_programs < 1:
+        raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
+
     dummy = status  # stands in for absent optional pointers; never dereferenced
+    stride_bk, stride_bn = (b.stride(0), b.stride(1)) if b_layout == "kn" else (b.stride(1), b.stride(0))
     args = (a, b, c_arg, bias if bias is not None else dummy, table.ptrs if scatter else dummy,
             wait_flags if wait else dummy, signal_counters if signal else dummy,
             order if order is not None else dummy, status,
             m, n, k, plan.chunk_rows, num_chunks,
-            a.stride(0), a.stride(1), stride_bk, stride_bn, stride_cm, stride_cn,
+            a.stride(0), a.stride(1), stride_bk, stride_bn, *c_strides,
             int(wait_expected), int(spin_limit))
     flags = dict(WAIT=wait, SIGNAL=signal, SCATTER=scatter, HAS_BIAS=bias is not None,
                  HAS_ORDER=order is not None, ALIGNED_OUT=bool(scatter and table.aligned),
                  INPUT_PRECISION="tf32" if a.dtype != torch.float32 or allow_tf32 else "ieee",
                  FLAG_SCOPE=flag_scope, SIGNAL_SCOPE=signal_scope)
     if autotune:
-        kernel = _autotuned_kernel(arch_of(device), a.dtype, allow_tf32)
-
-        def grid(meta):
-            tiles = -(-m // meta["BLOCK_M"]) * -(-n // meta["BLOCK_N"])
-            return (min(num_programs, tiles),)
-
-        # EVEN_K depends on the tuned BLOCK_K: the K tail is masked whenever K is not a multiple of
-        # the largest candidate BLOCK_K (64), which every candidate's BLOCK_K divides.
-        kernel[grid](*args, EVEN_K=k % 64 == 0, **flags)
+        _launch_autotuned(args, flags, m, n, k, a.dtype, allow_tf32, device, num_programs)
     else:
         cfg = plan.config
         persistent_gemm_kernel[(min(num_programs, plan.num_tiles),)](
@@ -257,4 +264,17 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if wait and device.type != "cuda":
         raise_on_timeout(status, describe_gemm_timeout)
-    return (out_chunks if scatter else out)
+    return out_chunks if scatter else out
+
+
+def _launch_autotuned(args, flags, m, n, k, dtype, allow_tf32, device, num_programs) -> None:
+    from pyfused.kernels.gemm_configs import arch_of
+
+    kernel = _autotuned_kernel(arch_of(device), dtype, allow_tf32)
+
+    def grid(meta):
+        return (min(num_programs, -(-m // meta["BLOCK_M"]) * -(-n // meta["BLOCK_N"])),)
+
+    # EVEN_K must hold for whichever BLOCK_K wins: every candidate's BLOCK_K divides
+    # AUTOTUNE_K_MULTIPLE (checked in _autotuned_kernel), so K being a multiple of it suffices.
+    kernel[grid](*args, EVEN_K=k % AUTOTUNE_K_MULTIPLE == 0, **flags)

@@ -211,6 +211,30 @@ def _check_rows_like(name: str, t: Tensor, m: int, n: int, device: torch.device)
                          f"got {t.dtype} on {t.device} strides {t.stride()}")
 
 
+def _check_reduce_tensors(table: PointerTable, out, residual, residual_out, weight) -> Tensor:
+    """Validate the tensors of a reduce; returns ``out`` (allocated if None)."""
+    if len(table.shape) != 2 or table.stride[1] != 1:
+        raise ValueError(f"sources must be 2-D [M, N] with unit column stride, got shape "
+                         f"{table.shape} strides {table.stride}")
+    if table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"sources must be float16, bfloat16 or float32, got {table.dtype}")
+    (m, n), device = table.shape, table.device
+    if m == 0 or n == 0:
+        raise ValueError(f"empty sources are not supported: shape {table.shape}")
+    if out is None:
+        out = torch.empty((m, n), dtype=table.dtype, device=device)
+    _check_rows_like("out", out, m, n, device)
+    if out.dtype != table.dtype:
+        raise ValueError(f"out must have the sources' dtype {table.dtype}, got {out.dtype}")
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is not None:
+            _check_rows_like(name, t, m, n, device)
+    if weight is not None and (tuple(weight.shape) != (n,) or weight.device != device):
+        raise ValueError(f"weight must be a tensor of shape ({n},) on {device}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    return out
+
+
 def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
                         out: Optional[Tensor] = None, residual: Optional[Tensor] = None,
                         residual_out: Optional[Tensor] = None, weight: Optional[Tensor] = None,
@@ -238,27 +262,9 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
     from pyfused.kernels.reduce_configs import choose_reduce_config
 
     table = _as_table(sources)
-    if len(table.shape) != 2 or table.stride[1] != 1:
-        raise ValueError(f"sources must be 2-D [M, N] with unit column stride, got shape "
-                         f"{table.shape} strides {table.stride}")
-    if table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"sources must be float16, bfloat16 or float32, got {table.dtype}")
-    m, n = table.shape
-    if m == 0 or n == 0:
-        raise ValueError(f"empty sources are not supported: shape {table.shape}")
-    device, p = table.device, len(table)
-    check_backend(device, multi_source_reduce_kernel, "pyfused.ops.reduce.multi_source_reduce")
-    if out is None:
-        out = torch.empty((m, n), dtype=table.dtype, device=device)
-    _check_rows_like("out", out, m, n, device)
-    if out.dtype != table.dtype:
-        raise ValueError(f"out must have the sources' dtype {table.dtype}, got {out.dtype}")
-    for name, t in (("residual", residual), ("residual_out", residual_out)):
-        if t is not None:
-            _check_rows_like(name, t, m, n, device)
-    if weight is not None and (weight.shape != (n,) or weight.device != device):
-        raise ValueError(f"weight must be a tensor of shape ({n},) on {device}, got "
-                         f"{tuple(weight.shape)} on {weight.device}")
+    check_backend(table.device, multi_source_reduce_kernel, "pyfused.ops.reduce.multi_source_reduce")
+    out = _check_reduce_tensors(table, out, residual, residual_out, weight)
+    (m, n), device, p = table.shape, table.device, len(table)
     chunk_rows = chunk_rows_of(m, num_chunks)
     order = chunk_order_tensor(chunk_order, num_chunks, device)
     check_scope("flag_scope", flag_scope)
