@@ -151,7 +151,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "packaging"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],  # opcheck runs without expecttest
+        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],  # opcheck runs without expecttest
         "bench": ["rich", "tqdm", "matplotlib"],
     },
     ext_modules=ext_modules,

@@ -1,5 +1,6 @@
 """Process groups, comm streams and cross-rank validation (see ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
+from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
     world_size,
@@ -11,6 +12,7 @@ from .validate import (
 )
 
 __all__ = [
+    "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
