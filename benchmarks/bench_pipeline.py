@@ -1,0 +1,209 @@
+"""Pipeline schedules: step time and bubble, pyfused vs torch.distributed.pipelining.
+
+For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank) the same model, split
+the same way (an even split of identical blocks, so the theory's equal-stage assumption holds),
+runs with the same microbatch count m = 4p under both implementations in the same process group.
+Rows carry, per implementation (``method``: torch | pyfused; ``shape``: schedule, p, v, m):
+  * ``time_ms``: median step time (harness.time_fn: barrier, every rank, slowest rank per iteration);
+  * ``speedup``: torch time / this time; ``vs_torch`` (pyfused rows): pyfused / torch (goal <= 1.0);
+  * ``bubble_theory`` = (p-1) / (v*m + p-1);
+  * ``bubble_step``: 1 - compute_only_ms / step_ms, where ``compute_only_ms`` is the step's compute
+    with no pipeline at all (m forward+backward passes of each rank's stages, slowest rank) -- the
+    same for both implementations, so this is the apples-to-apples idle fraction including every
+    transfer and scheduling overhead;
+  * ``bubble_timeline`` (pyfused only): median over the timed steps of 1 - compute / step span
+    (from recorded events, averaged over ranks), and ``timeline_png``: the step of median length
+    drawn (compute and transfers per rank).
+The candidates (torch step, pyfused step, compute only) alternate iteration by iteration, each
+timed by harness.time_fn, so a load change on a shared machine hits all three alike.
+
+Run with the bench CLI (``python -m pyfused.bench``) or alone:
+``torchrun --nproc_per_node 2 benchmarks/bench_pipeline.py [--quick] [--out bench_out]``.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pyfused.bench.harness import BenchContext, metadata, time_fn
+from pyfused.pipeline import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, bubble_theory, even_starts,
+    layer_units, split, timeline,
+)
+from pyfused.pipeline.plan import local_stages
+
+MULTI_RANK = True
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+
+
+def build_model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers.append(nn.Sequential(nn.Linear(width, width), nn.GELU()))
+    return nn.Sequential(*layers)
+
+
+def _ours(kind, mods, stage_ids, n_stages, m, device, pg):
+    stages = [PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
+    loss = nn.MSELoss()
+    if kind == "gpipe":
+        return ScheduleGPipe(stages[0], m, loss)
+    if kind == "1f1b":
+        return Schedule1F1B(stages[0], m, loss)
+    return ScheduleInterleaved1F1B(stages, m, loss)
+
+
+def _torch(kind, mods, stage_ids, n_stages, m, device, pg):
+    from torch.distributed import pipelining as tp
+
+    stages = [tp.PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
+    loss = nn.MSELoss()
+    if kind == "gpipe":
+        return tp.ScheduleGPipe(stages[0], m, loss)
+    if kind == "1f1b":
+        return tp.Schedule1F1B(stages[0], m, loss)
+    return tp.ScheduleInterleaved1F1B(stages, m, loss)
+
+
+def _compute_only(mods, stage_ids, x_mb, m: int):
+    """A step's compute on this rank without the pipeline: m forward+backward passes of each of
+    the rank's stages on a microbatch, no transfers, no scheduling."""
+    inputs = {}
+    for s in stage_ids:
+        h = x_mb
+        for mod in mods[:s]:
+            h = mod(h)
+        inputs[s] = h.detach().requires_grad_(s > 0)
+
+    def run_once():
+        for s in stage_ids:
+            for _ in range(m):
+                out = mods[s](inputs[s])
+                out.backward(torch.ones_like(out))
+        for s in stage_ids:
+            for prm in mods[s].parameters():
+                prm.grad = None
+
+    return run_once
+
+
+def _stepper(sched, mods, args, target, recorders=None):
+    def one_step():
+        for mod in mods:
+            for prm in mod.parameters():
+                prm.grad = None
+        if recorders is not None:
+            sched.timeline = timeline.Recorder()
+        sched.step(*args, target=target)
+        if recorders is not None:
+            recorders.append(sched.timeline)
+            sched.timeline = None
+
+    return one_step
+
+
+def run(ctx: BenchContext) -> List[Dict]:
+    p, rank = ctx.world, ctx.rank
+    width, blocks, rows = (256, 8, 8) if ctx.quick else (1024, 8, 32)
+    iters = 4 if ctx.quick else max(ctx.iters, 10)
+    m = 4 * p
+    out_dir = Path(ctx.options.get("out") or ctx.options.get("output_dir") or "bench_out")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(width, blocks)
+    rows_out: List[Dict] = []
+    for kind, v in SCHEDULES:
+        n_stages = p * v
+        if blocks < n_stages:
+            continue
+        starts = even_starts(len(layer_units(model)), n_stages)
+        stage_ids = local_stages(rank, p, v)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(m * rows, width, generator=g).to(ctx.device)
+        y = torch.randn(m * rows, width, generator=g).to(ctx.device)
+        args = (x,) if 0 in stage_ids else ()
+        target = y if n_stages - 1 in stage_ids else None
+        recorders: List = []
+        fns = {}
+        for impl, make in (("torch", _torch), ("pyfused", _ours)):
+            mods = [m_.to(ctx.device) for m_ in
+                    split(copy.deepcopy(model), n_stages, split_points=starts).stages]
+            sched = make(kind, mods, stage_ids, n_stages, m, ctx.device, ctx.group)
+            fns[impl] = _stepper(sched, mods, args, target,
+                                 recorders if impl == "pyfused" else None)
+        compute_mods = [m_.to(ctx.device) for m_ in split(copy.deepcopy(model), n_stages,
+                                                          split_points=starts).stages]
+        fns["compute"] = _compute_only(compute_mods, stage_ids, x[:rows], m)
+        # Interleave the candidates iteration by iteration (each call: barrier, run, slowest
+        # rank), so that load changes on a shared machine hit all of them alike.
+        times = {k: [] for k in fns}
+        for it in range(ctx.warmup + iters):
+            for k in (list(fns) if it % 2 else list(fns)[::-1]):
+                t = time_fn(fns[k], ctx, warmup=0, iters=1)
+                if it >= ctx.warmup:
+                    times[k].append(t)
+        med = {k: statistics.median(v_) for k, v_ in times.items()}
+        recorded = recorders[ctx.warmup:]
+        events = [timeline.gather(r, ctx.group) for r in recorded]
+        bubbles = [timeline.bubble(e) for e in events]
+        median_step = sorted(range(len(events)), key=lambda i: timeline.span(events[i]))[len(events) // 2]
+        png = out_dir / f"pipeline_timeline_{kind}_p{p}_m{m}.png"
+        if rank == 0:
+            timeline.draw(events[median_step], png,
+                          f"pyfused {kind}: {p} ranks x {v} stages, {m} microbatches, {ctx.backend}"
+                          f" on {metadata(ctx)['device']} (the step of median length)")
+        for impl in ("torch", "pyfused"):
+            # time_ms / method / shape / speedup are the CLI table's own columns (pyfused/bench/table.py)
+            row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
+                   "dtype": "float32", "method": impl, "time_ms": med[impl],
+                   "speedup": med["torch"] / med[impl],
+                   "bubble_theory": bubble_theory(p, m, v),
+                   "bubble_step": 1 - med["compute"] / med[impl],
+                   "bubble_timeline": float("nan"), "compute_only_ms": med["compute"],
+                   "schedule": kind, "stages_per_rank": v, "microbatches": m, "width": width,
+                   "blocks": blocks, "rows_per_microbatch": rows, "iters": iters}
+            if impl == "pyfused":
+                row.update(vs_torch=med[impl] / med["torch"],
+                           bubble_timeline=statistics.median(bubbles), timeline_png=str(png))
+            rows_out.append(row)
+    return rows_out
+
+
+def _main() -> None:
+    import argparse
+    import datetime
+
+    from pyfused.bench.harness import write_results
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(1)
+    ctx = BenchContext(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD,
+                       device=torch.device("cpu"), backend="gloo", quick=args.quick,
+                       iters=args.iters, options={"out": args.out})
+    rows = run(ctx)
+    if ctx.rank == 0:
+        paths = write_results(rows, Path(args.out), "pipeline")
+        for r in rows:
+            print(f"{r['schedule']:>17} {r['method']:>8}  step {r['time_ms']:8.2f} ms  bubble: theory "
+                  f"{r['bubble_theory']:.3f} step {r['bubble_step']:.3f}"
+                  + (f" timeline {r['bubble_timeline']:.3f}  vs torch {r['vs_torch']:.3f}"
+                     if r["method"] == "pyfused" else ""))
+        print("wrote", *paths, *[r["timeline_png"] for r in rows if "timeline_png" in r])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

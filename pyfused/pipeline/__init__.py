@@ -1,0 +1,24 @@
+"""Pipeline parallelism with torch.distributed.pipelining's API (see docs/PIPELINE.md).
+
+    from pyfused.pipeline import PipelineStage, Schedule1F1B, split
+    stages, report = split(model, num_stages=world, example_args=(x_micro,))   # rank 0 decides
+    stage = PipelineStage(stages[rank], rank, world, device)
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    schedule.step(x) / schedule.step() / schedule.step(target=y, losses=losses)  # first/middle/last
+
+Modules: plan.py (pure orders and transfer plans, checked by a simulator), balance.py (pure
+partitioning), stage.py, meta.py (shape agreement), p2p.py (batched, overlapped transfers),
+executor.py, schedules.py, errors.py (same error on every rank), autosplit.py (split), timeline.py.
+"""
+from .balance import even_starts, partition, stage_sums
+from .errors import PipelineError
+from .plan import PlanError, bubble_theory
+from .schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .autosplit import PipelineSegment, Split, SplitReport, layer_units, split
+from .stage import PipelineStage
+
+__all__ = [
+    "PipelineError", "PipelineSegment", "PipelineStage", "PlanError", "Schedule1F1B",
+    "ScheduleGPipe", "ScheduleInterleaved1F1B", "Split", "SplitReport", "bubble_theory",
+    "even_starts", "layer_units", "partition", "split", "stage_sums",
+]

@@ -1,0 +1,114 @@
+"""Running one rank's plan: post, wait, compute, in the order plan.py fixed.
+
+A stage that raises does not stop the loop: it records the first error, hands zeros of the agreed
+shapes to whoever expects its result, and the loop runs to the end so that every transfer of every
+rank finds its partner. The caller then fails the step on every rank (errors.raise_if_any).
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .p2p import Transport
+from .plan import ACT, FORWARD, Message, Step, needed, produced, stage_rank
+from .stage import PipelineStage, grad_metas
+
+
+class StepRun:
+    def __init__(self, stages: Sequence[PipelineStage], transport: Transport, p: int, *,
+                 backward: bool, loss_fn, scale: float, arg_mbs: List[Tuple],
+                 target_mbs: Optional[List], recorder=None):
+        self.stages: Dict[int, PipelineStage] = {st.stage_index: st for st in stages}
+        self.num_stages = stages[0].num_stages
+        self.tr = transport
+        self.p = p
+        self.backward = backward
+        self.loss_fn = loss_fn
+        self.scale = scale
+        self.arg_mbs = arg_mbs
+        self.target_mbs = target_mbs
+        self.recorder = recorder
+        self.error: Optional[str] = None
+        self._outbox: Dict[Message, Tuple[torch.Tensor, ...]] = {}  # produced, not yet posted
+        self._local: Dict[Message, Tuple[torch.Tensor, ...]] = {}   # for a stage on this rank
+
+    def _remote(self, msg: Message) -> bool:
+        return stage_rank(msg.src_stage, self.p) != stage_rank(msg.dst_stage, self.p)
+
+    def _recv_buffers(self, msg: Message) -> Tuple[torch.Tensor, ...]:
+        receiver = self.stages[msg.dst_stage]
+        metas = receiver.in_metas if msg.kind == ACT else grad_metas(receiver.out_metas)
+        return tuple(self.tr.pool.acquire(m) for m in metas)
+
+    def _input(self, msg: Optional[Message], remote: bool) -> Tuple[torch.Tensor, ...]:
+        if msg is None:
+            return ()
+        return self.tr.wait_recv(msg) if remote else self._local.pop(msg)
+
+    def _release(self, buffers) -> None:
+        for b in buffers:
+            self.tr.pool.release(b)
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{what}: {type(e).__name__}: {e}"
+
+    def run(self, steps: Sequence[Step]) -> None:
+        tr = self.tr
+        tr.reset()
+        tr.recorder = self.recorder
+        try:
+            for step in steps:
+                sends = [(m, stage_rank(m.dst_stage, self.p), self._outbox.pop(m)) for m in step.sends]
+                recvs = [(m, stage_rank(m.src_stage, self.p), self._recv_buffers(m))
+                         for m in step.recvs]
+                tr.post(sends, recvs)
+                if step.action is None:
+                    break
+                a = step.action
+                st = self.stages[a.stage]
+                need = needed(a, self.num_stages)
+                received = self._input(need, bool(step.waits))
+                bufs = received if step.waits else ()
+                t0 = time.perf_counter()
+                if a.op == FORWARD:
+                    out = self._forward(st, a.mb, received, bufs)
+                else:
+                    out = self._backward(st, a.mb, received, bufs)
+                if self.recorder is not None:
+                    self.recorder.compute(a, t0, time.perf_counter())
+                msg = produced(a, self.num_stages)
+                if msg is not None:
+                    (self._outbox if self._remote(msg) else self._local)[msg] = out
+            tr.finish()
+        finally:
+            tr.recorder = None
+
+    def _forward(self, st: PipelineStage, mb: int, received, bufs) -> Tuple[torch.Tensor, ...]:
+        inputs = self.arg_mbs[mb] if st.is_first else received
+        target = self.target_mbs[mb] if (st.is_last and self.target_mbs is not None) else None
+        loss_fn = self.loss_fn if target is not None else None
+        try:
+            outs = st.forward_one(mb, inputs, bufs, grad=self.backward, target=target,
+                                  loss_fn=loss_fn)
+        except Exception as e:
+            self._fail(f"stage {st.stage_index} failed in the forward of microbatch {mb}", e)
+            outs = st.forward_failed(mb, bufs)
+        if not self.backward:
+            self._release(st.drop(mb))
+        return tuple(o.detach().contiguous() for o in outs)
+
+    def _backward(self, st: PipelineStage, mb: int, grads_in, grad_bufs) -> Tuple[torch.Tensor, ...]:
+        if st.forward_ok(mb):
+            try:
+                grads, bufs = st.backward_one(mb, grads_in, self.scale)
+            except Exception as e:
+                self._fail(f"stage {st.stage_index} failed in the backward of microbatch {mb}", e)
+                grads, bufs = st.backward_failed(mb)
+        else:  # its forward failed (already recorded): zeros keep the transfers matched
+            grads, bufs = st.backward_failed(mb)
+        self._release(bufs)
+        self._release(grad_bufs)
+        return tuple(g.detach().contiguous() for g in grads)

@@ -1,0 +1,344 @@
+"""Pure planning: which compute each rank runs in which order, and when each transfer is posted.
+
+Nothing here touches torch.distributed, so every rank computes the identical plan from the same four
+numbers (ranks ``p``, stages per rank ``v``, microbatches ``m``, forward-only or not), and the tests
+check the plan itself with a simulator instead of hoping a multi-rank run happens to hit a race.
+
+Placement is torch's "loop" style: stage ``s`` lives on group rank ``s % p``.
+
+Orders (one list of ``Action`` per rank):
+  * GPipe: all forwards, then all backwards.
+  * 1F1B: ``p - 1 - rank`` warm-up forwards, then alternate one forward and one backward, then the
+    remaining backwards (PipeDream-flush).
+  * Interleaved 1F1B (Narayanan et al. 2021, torch's flexible variant): microbatches go through each
+    local stage in rounds of ``mpr = m // max(1, m // p)`` (``m`` must be a multiple of the number
+    of rounds); ``(v - 1) * mpr + 2 * (p - 1 - rank)`` warm-up forwards, then F/B pairs, then the
+    remaining backwards.
+
+Messages: a forward of stage ``s < S-1`` produces ``act(s, mb)`` for stage ``s+1``; a backward of stage
+``s > 0`` produces ``grad(s, mb)`` (the gradient of stage ``s``'s input) for stage ``s-1``.
+
+Communication plan of a rank: one ``Step`` per compute action. Step ``k``
+  1. posts, as ONE ``batch_isend_irecv``, the sends of action ``k-1`` and the receives of every input
+     that actions ``k .. k+lookahead`` need and that are not posted yet;
+  2. waits for the receives action ``k`` needs;
+  3. runs action ``k``.
+So with ``lookahead=2`` the receive of the next microbatch is posted before the current compute, and
+in the steady 1F1B phase each batch carries one forward and one backward transfer (after a backward:
+its gradient send + the next-but-one forward's activation receive). Sends are never waited for in
+the loop; the executor completes them lazily (at the end of the step, or when too many are open).
+
+Matching: NCCL and gloo pair the k-th send from rank a to rank b with the k-th receive that b posts
+from a (pyfused does not use tags, which NCCL ignores). A receiver therefore posts receives in the
+*sender's production order*: to post message M from rank a it first posts every earlier message of
+a -> b. ``simulate`` checks this pairing and that no rank waits forever, both for per-operation
+completion (gloo) and for NCCL's grouped, in-order completion of coalesced batches; under the
+latter a receive posted far ahead holds back every later batch of its rank, so ``choose_plan``
+lowers the lookahead where (and only where) the simulator finds a deadlock.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+FORWARD, BACKWARD = "F", "B"
+ACT, GRAD = "act", "grad"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DEFAULT_LOOKAHEAD = 2
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str  # FORWARD or BACKWARD
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.stage}.{self.mb}"
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # ACT (to stage src+1) or GRAD (to stage src-1)
+    src_stage: int
+    mb: int
+
+    @property
+    def dst_stage(self) -> int:
+        return self.src_stage + 1 if self.kind == ACT else self.src_stage - 1
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{self.src_stage}->{self.dst_stage}, mb {self.mb}]"
+
+
+@dataclass(frozen=True)
+class Step:
+    sends: Tuple[Message, ...]   # remote messages produced by the previous action
+    recvs: Tuple[Message, ...]   # receives newly posted here, in per-sender production order
+    waits: Tuple[Message, ...]   # remote inputs of ``action``
+    action: Optional[Action]     # None for the closing step (last sends only)
+
+
+def stage_rank(stage: int, p: int) -> int:
+    return stage % p
+
+
+def local_stages(rank: int, p: int, v: int) -> List[int]:
+    return [rank + j * p for j in range(v)]
+
+
+def rounds(p: int, m: int) -> Tuple[int, int]:
+    """(number of rounds, microbatches per round) of the interleaved schedule."""
+    n_rounds = max(1, m // p)
+    return n_rounds, m // n_rounds
+
+
+def check_counts(schedule: str, p: int, v: int, m: int) -> Optional[str]:
+    """Why (p, v, m) cannot run ``schedule``, or None. Pure, so every rank gives the same answer."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}"
+    if p < 1 or v < 1:
+        return f"need at least one rank and one stage per rank (got {p} ranks, {v} stages per rank)"
+    if m < 1:
+        return f"n_microbatches must be >= 1, got {m}"
+    if schedule != "interleaved_1f1b" and v != 1:
+        return f"{schedule} runs one stage per rank; got {v} (use ScheduleInterleaved1F1B)"
+    if schedule == "interleaved_1f1b":
+        n_rounds, _ = rounds(p, m)
+        if m % n_rounds:
+            return (f"interleaved 1F1B with {p} ranks needs n_microbatches to be a multiple of the "
+                    f"number of rounds max(1, m // p) = {n_rounds}; got {m}")
+    return None
+
+
+def rank_order(schedule: str, rank: int, p: int, v: int, m: int, backward: bool) -> List[Action]:
+    """The compute actions of ``rank``, in execution order."""
+    err = check_counts(schedule, p, v, m)
+    if err:
+        raise ValueError(err)
+    if schedule == "interleaved_1f1b":
+        return _interleaved_order(rank, p, v, m, backward)
+    fwd = [Action(FORWARD, rank, i) for i in range(m)]
+    if not backward:
+        return fwd
+    bwd = [Action(BACKWARD, rank, i) for i in range(m)]
+    if schedule == "gpipe":
+        return fwd + bwd
+    warmup = min(m, p - 1 - rank)
+    order = fwd[:warmup]
+    for i in range(m - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[m - warmup:]
+
+
+def _interleaved_order(rank: int, p: int, v: int, m: int, backward: bool) -> List[Action]:
+    _, mpr = rounds(p, m)
+    total = v * m
+
+    def mb_of(k: int) -> int:
+        return (k // (mpr * v)) * mpr + k % mpr
+
+    def fwd(k: int) -> Action:
+        return Action(FORWARD, ((k // mpr) % v) * p + rank, mb_of(k))
+
+    def bwd(k: int) -> Action:
+        return Action(BACKWARD, (v - 1 - (k // mpr) % v) * p + rank, mb_of(k))
+
+    if not backward:
+        return [fwd(k) for k in range(total)]
+    warmup = min(total, (v - 1) * mpr + 2 * (p - 1 - rank))
+    order = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [fwd(warmup + k), bwd(k)]
+    return order + [bwd(k) for k in range(total - warmup, total)]
+
+
+def produced(action: Action, num_stages: int) -> Optional[Message]:
+    if action.op == FORWARD:
+        return Message(ACT, action.stage, action.mb) if action.stage < num_stages - 1 else None
+    return Message(GRAD, action.stage, action.mb) if action.stage > 0 else None
+
+
+def needed(action: Action, num_stages: int) -> Optional[Message]:
+    if action.op == FORWARD:
+        return Message(ACT, action.stage - 1, action.mb) if action.stage > 0 else None
+    return Message(GRAD, action.stage + 1, action.mb) if action.stage < num_stages - 1 else None
+
+
+def build_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
+               lookahead: int = DEFAULT_LOOKAHEAD) -> Dict[int, List[Step]]:
+    """The communication plan of every rank (see the module docstring)."""
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+
+    def remote(msg: Message) -> bool:
+        return stage_rank(msg.src_stage, p) != stage_rank(msg.dst_stage, p)
+
+    # Per (sender, receiver): messages in the order the sender produces them.
+    fifo: Dict[Tuple[int, int], List[Message]] = defaultdict(list)
+    for src, order in orders.items():
+        for a in order:
+            msg = produced(a, num_stages)
+            if msg is not None and remote(msg):
+                fifo[src, stage_rank(msg.dst_stage, p)].append(msg)
+    position = {(pair, msg): i for pair, msgs in fifo.items() for i, msg in enumerate(msgs)}
+
+    plans: Dict[int, List[Step]] = {}
+    for rank, order in orders.items():
+        posted_upto: Dict[int, int] = defaultdict(int)  # sender -> how many of its messages posted
+        steps: List[Step] = []
+        for k in range(len(order) + 1):
+            prev = produced(order[k - 1], num_stages) if k > 0 else None
+            sends = (prev,) if prev is not None and remote(prev) else ()
+            recvs: List[Message] = []
+            for a in order[k:k + lookahead + 1]:
+                msg = needed(a, num_stages)
+                if msg is None or not remote(msg):
+                    continue
+                src = stage_rank(msg.src_stage, p)
+                pair = (src, rank)
+                target = position[pair, msg] + 1
+                recvs += fifo[pair][posted_upto[src]:target]
+                posted_upto[src] = max(posted_upto[src], target)
+            action = order[k] if k < len(order) else None
+            need = needed(action, num_stages) if action is not None else None
+            waits = (need,) if need is not None and remote(need) else ()
+            steps.append(Step(sends, tuple(recvs), waits, action))
+        plans[rank] = steps
+    return plans
+
+
+class PlanError(RuntimeError):
+    """The plan would pair a send with the wrong receive, or leave a rank waiting forever."""
+
+
+def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: int,
+             num_stages: int, grouped: bool) -> None:
+    """Run the plans on an abstract network; raise ``PlanError`` on a mismatch or a deadlock.
+
+    ``grouped=False``: each send/receive completes once its partner is posted (gloo).
+    ``grouped=True``: a batch completes only when all its operations are matched and every earlier
+    batch of the same rank has completed (NCCL groups on one stream), the strictest model.
+    Local hand-offs (both stages on one rank) must be produced before they are consumed.
+    """
+    posted: Dict[Tuple[str, int, int], List[Message]] = defaultdict(list)
+    batch_ops: Dict[int, List[Tuple[str, int, int, int]]] = {}
+    batches_of: Dict[int, List[int]] = defaultdict(list)
+    first_open: Dict[int, int] = defaultdict(int)  # grouped: batches_of[rank][:first_open] are done
+    recv_at: Dict[Tuple[int, Message], Tuple[int, int]] = {}  # -> (batch, index in its channel)
+    done_actions = set()
+    pc = {r: 0 for r in plans}
+    posted_step = {r: -1 for r in plans}
+    next_batch = 0
+
+    def matched(kind: str, a: int, b: int, idx: int) -> bool:
+        partner = posted["recv" if kind == "send" else "send", a, b]
+        if len(partner) <= idx:
+            return False
+        mine = posted[kind, a, b][idx]
+        if partner[idx] != mine:
+            raise PlanError(f"rank {a} -> rank {b}: {kind} #{idx} is {mine} but its partner is "
+                            f"{partner[idx]}")
+        return True
+
+    def batch_done(rank: int, bid: int) -> bool:
+        if not grouped:
+            return all(matched(*op) for op in batch_ops[bid])
+        mine = batches_of[rank]
+        while first_open[rank] < len(mine) and all(matched(*op) for op in batch_ops[mine[first_open[rank]]]):
+            first_open[rank] += 1
+        return mine.index(bid) < first_open[rank]
+
+    def recv_done(rank: int, msg: Message) -> bool:
+        if (rank, msg) not in recv_at:
+            raise PlanError(f"rank {rank} waits for {msg} before posting its receive")
+        bid, idx = recv_at[rank, msg]
+        if grouped:
+            return batch_done(rank, bid)
+        return matched("recv", stage_rank(msg.src_stage, p), rank, idx)
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, steps in plans.items():
+            while pc[rank] < len(steps):
+                k = pc[rank]
+                step = steps[k]
+                if posted_step[rank] < k:
+                    ops = []
+                    for msg in step.sends:
+                        dst = stage_rank(msg.dst_stage, p)
+                        posted["send", rank, dst].append(msg)
+                        ops.append(("send", rank, dst, len(posted["send", rank, dst]) - 1))
+                    for msg in step.recvs:
+                        src = stage_rank(msg.src_stage, p)
+                        posted["recv", src, rank].append(msg)
+                        ops.append(("recv", src, rank, len(posted["recv", src, rank]) - 1))
+                        recv_at[rank, msg] = (next_batch, len(posted["recv", src, rank]) - 1)
+                    if ops:
+                        batch_ops[next_batch] = ops
+                        batches_of[rank].append(next_batch)
+                        next_batch += 1
+                    posted_step[rank] = k
+                    progress = True
+                if step.action is None:
+                    if not all(batch_done(rank, b) for b in batches_of[rank]):
+                        break
+                else:
+                    if not all(recv_done(rank, msg) for msg in step.waits):
+                        break
+                    need = needed(step.action, num_stages)
+                    if need is not None and not step.waits:
+                        producer = Action(FORWARD if need.kind == ACT else BACKWARD,
+                                          need.src_stage, need.mb)
+                        if producer not in done_actions:
+                            raise PlanError(f"rank {rank}: {step.action} needs the local {need} "
+                                            f"before {producer} has run")
+                    if step.action.op == BACKWARD and Action(FORWARD, step.action.stage,
+                                                             step.action.mb) not in done_actions:
+                        raise PlanError(f"rank {rank}: {step.action} runs before its forward")
+                    done_actions.add(step.action)
+                pc[rank] += 1
+                progress = True
+    stuck = {r: steps[pc[r]] for r, steps in plans.items() if pc[r] < len(steps)}
+    if stuck:
+        desc = "; ".join(f"rank {r} at {s.action or 'final send flush'} waiting for "
+                         f"{', '.join(map(str, s.waits)) or 'its sends'}" for r, s in stuck.items())
+        raise PlanError(f"deadlock ({'grouped' if grouped else 'per-op'} completion): {desc}")
+    expected = {a for order in orders.values() for a in order}
+    if done_actions != expected:
+        raise PlanError(f"{len(expected - done_actions)} actions never ran")
+
+
+def bubble_theory(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step with equal stage times and free transfers: (p-1) / (v*m + p-1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: bool,
+                lookahead: int = DEFAULT_LOOKAHEAD):
+    """Orders and the plan of every rank for a backend whose batches complete per operation
+    (``grouped=False``: gloo) or as ordered groups (``grouped=True``: NCCL's coalesced p2p).
+
+    The compute order never depends on the backend. The plan posts receives ``lookahead`` actions
+    ahead where the simulator proves that safe; under grouped completion a receive posted early
+    holds back every later batch of its rank, so for some (schedule, p, v, m) a smaller lookahead
+    is taken (logged by the caller). Returns (orders, plans, lookahead used); raises ``PlanError``
+    if no lookahead down to 0 is safe (not seen for any p <= 6, v <= 4, m <= 16; see the tests).
+    """
+    orders = {r: rank_order(schedule, r, p, v, m, backward) for r in range(p)}
+    errors = []
+    for look in range(lookahead, -1, -1):
+        plans = build_plan(orders, p, p * v, look)
+        try:
+            simulate(orders, plans, p, p * v, grouped)
+            return orders, plans, look
+        except PlanError as e:
+            errors.append(f"lookahead {look}: {e}")
+    raise PlanError(f"no deadlock-free transfer plan for {schedule} with {p} ranks, {v} stages per "
+                    f"rank, {m} microbatches: " + "; ".join(errors))
+
+
+def describe(order: Sequence[Action]) -> str:
+    return " ".join(map(str, order))

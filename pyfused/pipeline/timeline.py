@@ -1,0 +1,107 @@
+"""Recording one step: compute and transfer events per rank, gathered to every rank, drawn on one.
+
+Set ``schedule.timeline = Recorder()`` (after a barrier, so that the ranks' clocks start together)
+and run a step; every compute, every batched post and every blocking wait for a receive is recorded
+with host timestamps (``time.perf_counter``, which on Linux is one clock for all processes of a
+machine). ``gather`` collects all ranks' events, ``bubble`` measures the idle fraction and ``draw``
+writes a PNG. On CUDA the timestamps are host times of enqueueing, not kernel times.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from .. import comm
+from .plan import Action, Message
+
+
+def _msg(m: Message) -> tuple:
+    return (m.kind, m.src_stage, m.mb)
+
+
+class Recorder:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.events: List[Dict] = []
+
+    def compute(self, action: Action, start: float, end: float) -> None:
+        self.events.append({"kind": "compute", "op": action.op, "stage": action.stage,
+                            "mb": action.mb, "start": start - self.t0, "end": end - self.t0})
+
+    def post(self, start: float, end: float, sends: List[Message], recvs: List[Message]) -> None:
+        self.events.append({"kind": "post", "start": start - self.t0, "end": end - self.t0,
+                            "sends": [_msg(m) for m in sends], "recvs": [_msg(m) for m in recvs]})
+
+    def wait(self, msg: Message, start: float, end: float) -> None:
+        self.events.append({"kind": "wait", "msg": _msg(msg), "start": start - self.t0,
+                            "end": end - self.t0})
+
+
+def gather(recorder: Recorder, group=None) -> List[List[Dict]]:
+    """Every rank's events, in group-rank order (all_gather_object on the pipeline group)."""
+    pg = comm.resolve_group(group)
+    if comm.world_size(pg) == 1:
+        return [recorder.events]
+    out: List[Optional[List[Dict]]] = [None] * comm.world_size(pg)
+    dist.all_gather_object(out, recorder.events, group=pg)
+    return out
+
+
+def span(events_by_rank: List[List[Dict]]) -> float:
+    return max((e["end"] for evs in events_by_rank for e in evs), default=0.0)
+
+
+def bubble(events_by_rank: List[List[Dict]]) -> float:
+    """Mean over ranks of the fraction of the step (first start to last end, over all ranks) that
+    a rank spent outside its own compute."""
+    total = span(events_by_rank)
+    if total <= 0:
+        return float("nan")
+    idle = [1 - sum(e["end"] - e["start"] for e in evs if e["kind"] == "compute") / total
+            for evs in events_by_rank]
+    return sum(idle) / len(idle)
+
+
+def draw(events_by_rank: List[List[Dict]], path, title: str) -> None:
+    """One row per rank: forward (blue) and backward (green) compute labelled stage.microbatch,
+    time spent posting a batch of transfers (black, above), time blocked on a receive (red,
+    below), and a grey line per transfer from the sender's post to the end of the receiver's wait."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(events_by_rank)
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * n))
+    sent_at, received_at = {}, {}
+    for rank, evs in enumerate(events_by_rank):
+        y = n - 1 - rank
+        for e in evs:
+            ms = (e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)
+            if e["kind"] == "compute":
+                color = "#4C72B0" if e["op"] == "F" else "#55A868"
+                ax.broken_barh([ms], (y - 0.35, 0.7), facecolors=color, edgecolor="black", lw=0.3)
+                if ms[1] > 0.02 * span(events_by_rank) * 1e3:
+                    ax.text(ms[0] + ms[1] / 2, y, f"{e['op']}{e['stage']}.{e['mb']}", ha="center",
+                            va="center", fontsize=6, color="white")
+            elif e["kind"] == "wait":
+                ax.broken_barh([ms], (y - 0.45, 0.1), facecolors="#C44E52")
+                received_at[tuple(e["msg"])] = (e["end"] * 1e3, y)
+            elif e["kind"] == "post":
+                ax.broken_barh([ms], (y + 0.38, 0.08), facecolors="black")
+                for m in e["sends"]:
+                    sent_at[tuple(m)] = (e["start"] * 1e3, y)
+    for key, (t_send, y_send) in sent_at.items():
+        if key in received_at:
+            t_recv, y_recv = received_at[key]
+            ax.plot([t_send, t_recv], [y_send - 0.4, y_recv + 0.4], color="grey", lw=0.5,
+                    alpha=0.6)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)])
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
