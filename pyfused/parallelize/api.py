@@ -101,7 +101,7 @@ def _agree(model_fp: int, sizes, sp: bool, problem: Optional[str]) -> None:
         return f"rank(s) {failing} cannot parallelize the model (see their logs)"
 
     try:
-        comm.agree(None, sig, check)
+        comm.agree(comm.resolve_group(None), sig, check)  # the default group
     except comm.InputError as e:
         raise ParallelizeError(str(e)) from None
 
@@ -170,7 +170,7 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
         runner = module
-        if info.size["dp"] > 1:
+        if info.size["dp"] > 1 and stage is None:  # with pp > 1 the stage's module is wrapped
             runner = _wrap_data_parallel(module, info.group["dp"])
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
@@ -188,7 +188,7 @@ class ParallelModel(nn.Module):
     def forward(self, *args, **kwargs):
         self._check_sequence(args, kwargs)
         if self._stage is not None:
-            return self._stage.run(self._runner, args, kwargs)
+            return self._stage.run(args, kwargs)
         return self._runner(*args, **kwargs)
 
     def _check_sequence(self, args, kwargs) -> None:
@@ -230,8 +230,15 @@ class ParallelModel(nn.Module):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             local[name] = self._spec_of(name, p).gather(g, self._tp.pg)
         if self._stage is not None:
-            return self._stage.gather_stages(local)
+            merged = self._stage.gather_stages(local)
+            return {k: merged[k] for k in self._stage.param_names}
         return local
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` -- except with pipeline parallelism, where the call that returned the
+        loss already ran the backward of every microbatch (the schedule interleaves them)."""
+        if self._stage is None:
+            loss.backward()
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:

@@ -142,7 +142,9 @@ class TensorParallel:
         embeddings = {}  # id(original weight) -> new embedding module
         heads = []
         for name, style in styles.items():  # named_modules order: the same on every rank
-            m = modules[name]
+            m = modules.get(name)
+            if m is None or getattr(m, "pyfused_placeholder", False):
+                continue  # on another pipeline stage
             in_region = self.sp and _under(name, block_list)
             if style in LINEAR_STYLES:
                 new = self._linear(m, style, in_region, _enclosing_attention(styles, name))
@@ -171,7 +173,8 @@ class TensorParallel:
                         self.hooks.append(handle)
         # a tied LM head processed before its embedding (not the case in transformers' models)
         for name, style in styles.items():
-            if style == "colwise_gather_output":
+            if style == "colwise_gather_output" and name in modules and not getattr(
+                    modules[name], "pyfused_placeholder", False):
                 lm = model.get_submodule(name)
                 orig = modules[name]
                 if id(orig.weight) in embeddings and lm.weight is not embeddings[id(orig.weight)].weight:

@@ -1,0 +1,103 @@
+"""Bad input to ``pyfused.parallelize`` fails with the same clear message on every rank, before any
+collective beyond the one validation exchange, and leaves the model untouched (no layer was built)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.test_parallelize import BATCH, VOCAB, build
+
+pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers (the 'models' extra)")
+
+
+def _unknown_arch(rank, world):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          ffn_dim=64, num_attention_heads=4, max_position_embeddings=32,
+                                          word_embed_proj_dim=32))
+
+
+CASES = {
+    # case: (model builder, mesh shape/names, parallelize kwargs, expected words in the message)
+    "unknown_arch": (_unknown_arch, {}, "plan='auto' does not know OPTForCausalLM"),
+    "heads": (lambda r, w: build("llama", num_attention_heads=6, num_key_value_heads=6), {},
+              "num_attention_heads=6 is not divisible by the tensor-parallel size 4"),
+    "kv_heads": (lambda r, w: build("llama", num_key_value_heads=2), {},
+                 "num_key_value_heads=2 is not divisible by the tensor-parallel size 4"),
+    "gpt2_heads": (lambda r, w: build("gpt2", n_head=2), {},
+                   "num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
+    "vocab": (lambda r, w: build("gpt2", vocab_size=VOCAB + 2), {}, "vocabulary size 102 is not divisible"),
+    "differs": (lambda r, w: build("llama", intermediate_size=44 + 4 * (r == w - 1)), {},
+                "the model differs between ranks"),
+    "plan_typo": (lambda r, w: build("llama"), {"plan": {"model.layer.*.mlp.up_proj": "colwise"}},
+                  "matches no module"),
+    "uncovered": (lambda r, w: build("llama"),
+                  {"plan": {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}},
+                  "the plan does not cover parameter(s) model.embed_tokens.weight"),
+    "bad_style": (lambda r, w: build("llama"), {"plan": {"lm_head": "columnwise"}}, "unknown style 'columnwise'"),
+}
+
+
+def _bad_parallelize(rank, world, case):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.parallelize import ParallelizeError
+
+    builder, kwargs, _ = CASES[case]
+    model = builder(rank, world)
+    linears_before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    try:
+        pyfused.parallelize(model, mesh, **kwargs)
+    except ParallelizeError as e:
+        untouched = sum(isinstance(m, nn.Linear) for m in model.modules()) == linears_before
+        return str(e), untouched
+    return None, None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_model_fails_on_every_rank(ranks, case):
+    got = ranks.run(4, _bad_parallelize, case, timeout=120)
+    msgs = [m for m, _ in got]
+    assert msgs[0] is not None and len(set(msgs)) == 1, msgs
+    assert CASES[case][2] in msgs[0], msgs[0]
+    assert all(untouched for _, untouched in got), "a layer was built before the error"
+
+
+def _bad_mesh_and_input(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.parallelize import ParallelizeError
+
+    out = []
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("model",))
+    try:
+        pyfused.parallelize(build("llama"), mesh)
+    except ParallelizeError as e:
+        out.append(str(e))
+    # a sequence TP does not divide, with sequence parallelism: a clear error before the forward
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = pyfused.parallelize(build("llama"), mesh, sequence_parallel=True)
+    try:
+        pm(input_ids=torch.zeros(BATCH, 10, dtype=torch.long))
+    except ValueError as e:
+        out.append(str(e))
+    # token ids outside the vocabulary (a vocab-parallel embedding would otherwise read zeros)
+    try:
+        pm(input_ids=torch.full((BATCH, 12), VOCAB, dtype=torch.long))
+    except IndexError as e:
+        out.append(str(e))
+    # the group is still usable: a correct call goes through on every rank
+    pm(input_ids=torch.zeros(BATCH, 12, dtype=torch.long))
+    return out
+
+
+def test_bad_mesh_and_inputs(ranks):
+    got = ranks.run(4, _bad_mesh_and_input, timeout=120)
+    assert all(g == got[0] for g in got) and len(got[0]) == 3, got
+    assert "mesh dims must be distinct names among" in got[0][0]
+    assert "sequence length 10 is not divisible by the tensor-parallel size 4" in got[0][1]
+    assert "token ids must lie in [0, 100)" in got[0][2]
