@@ -1,0 +1,166 @@
+"""Moving gradients into and out of a bucket: the Triton kernel on CUDA, the torch path elsewhere.
+
+``flatten_scale(srcs, flat, scale, plan)`` writes ``flat[offset_s : offset_s + numel_s] = src_s *
+scale`` (cast to ``flat``'s dtype) for the bucket's segments, which lie back to back from offset 0;
+``unflatten_scale(flat, dsts, scale, plan)`` is the reverse. On CUDA each is one launch of
+``kernels/bucket.py``'s ``segment_copy_scale_kernel``; on CPU (and wherever the kernel cannot run,
+which is logged) the torch reference below runs: one multiply (flatten) or one ``copy_``
+(unflatten) per segment, each a single pass over its data. The references are what the kernel is tested against (tests/test_ddp_kernels.py).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .._logging import logger
+
+# PYFUSED_DDP_KERNEL=0 turns the Triton bucket copies off on CUDA (torch path instead); logged.
+_KERNEL_ENABLED = os.environ.get("PYFUSED_DDP_KERNEL", "1").strip().lower() not in ("0", "false", "off")
+_warned = set()
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+            torch.float64: tl.float64}[dtype]
+
+
+def kernel_available(device: torch.device, dtypes: Sequence[torch.dtype]) -> Tuple[bool, str]:
+    """Whether the bucket kernel serves these tensors, and if not, why (for the log)."""
+    if device.type != "cuda":
+        return False, f"tensors on {device.type} take the torch path"
+    if not _KERNEL_ENABLED:
+        return False, "PYFUSED_DDP_KERNEL=0"
+    if any(d not in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for d in dtypes):
+        return False, f"dtypes {dtypes} are not handled by the kernel"
+    try:
+        from ..kernels import bucket  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "no kernel"; say which
+        return False, f"kernels/bucket.py could not be imported ({type(e).__name__}: {e})"
+    return True, ""
+
+
+class CopyPlan:
+    """The static launch data of one bucket's copies: segment sizes and block tables, on device.
+
+    ``interpret=True`` builds it for the Triton interpreter (CPU tensors; tests only)."""
+
+    def __init__(self, numels: Sequence[int], device: torch.device, elem_size: int,
+                 interpret: bool = False):
+        from ..kernels.bucket import choose_config
+
+        self.device = torch.device(device)
+        self.numels = [int(n) for n in numels]
+        self.offsets = [0] * len(self.numels)
+        for i in range(1, len(self.numels)):
+            self.offsets[i] = self.offsets[i - 1] + self.numels[i - 1]
+        self.config = choose_config("interpreter" if interpret else "cuda", elem_size)
+        seg, start = [], []
+        for s, n in enumerate(self.numels):
+            for st in range(0, n, self.config.block):
+                seg.append(s)
+                start.append(st)
+        self.num_blocks = len(seg)
+        self.numel_t = _to_device(self.numels, self.device)
+        self.blk_seg = _to_device(seg, self.device, torch.int32)
+        self.blk_start = _to_device(start, self.device)
+        # Address tables by role, reused while the addresses repeat (the caching allocator usually
+        # hands gradients the same blocks every step, so this saves an H2D copy per launch).
+        self._tables: Dict[str, Tuple[Tuple[int, ...], Tensor]] = {}
+
+    def table(self, role: str, addrs: Sequence[int]) -> Tensor:
+        key = tuple(addrs)
+        cached = self._tables.get(role)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        t = _to_device(key, self.device)
+        self._tables[role] = (key, t)
+        return t
+
+
+def _to_device(values: Sequence[int], device: torch.device, dtype=torch.int64) -> Tensor:
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cuda":
+        # pinned + non_blocking: no host sync, so the launch does not stall the backward
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def _launch(plan: CopyPlan, src_addrs: List[int], dst_addrs: List[int], src_dtype, dst_dtype,
+            scale: float) -> None:
+    from ..kernels.bucket import segment_copy_scale_kernel
+
+    if plan.num_blocks == 0:
+        return
+    src_t = plan.table("src", src_addrs)
+    dst_t = plan.table("dst", dst_addrs)
+    segment_copy_scale_kernel[(plan.num_blocks,)](
+        src_t, dst_t, plan.numel_t, plan.blk_seg, plan.blk_start, float(scale),
+        SRC_T=_tl_dtype(src_dtype), DST_T=_tl_dtype(dst_dtype), BLOCK=plan.config.block,
+        num_warps=plan.config.num_warps)
+
+
+def _contiguous_all(ts: Sequence[Tensor]) -> bool:
+    return all(t.is_contiguous() for t in ts)
+
+
+def flatten_scale(srcs: Sequence[Tensor], flat: Tensor, scale: float,
+                  plan: Optional[CopyPlan] = None) -> None:
+    """``flat[off_s : off_s + n_s] = cast(src_s * scale)``; segments back to back from 0."""
+    if plan is not None and _contiguous_all(srcs):
+        es = flat.element_size()
+        base = flat.data_ptr()
+        _launch(plan, [s.data_ptr() for s in srcs], [base + o * es for o in plan.offsets],
+                srcs[0].dtype, flat.dtype, scale)
+        return
+    if plan is not None:
+        _log_once("non-contiguous gradient", "pyfused DDP: a gradient is not contiguous; its bucket "
+                  "is flattened by the torch path this time")
+    flatten_scale_ref(srcs, flat, scale)
+
+
+def unflatten_scale(flat: Tensor, dsts: Sequence[Tensor], scale: float = 1.0,
+                    plan: Optional[CopyPlan] = None) -> None:
+    """``dst_s = cast(flat[off_s : off_s + n_s] * scale)``; segments back to back from 0."""
+    if plan is not None and _contiguous_all(dsts):
+        es = flat.element_size()
+        base = flat.data_ptr()
+        _launch(plan, [base + o * es for o in plan.offsets], [d.data_ptr() for d in dsts],
+                flat.dtype, dsts[0].dtype, scale)
+        return
+    if plan is not None:
+        _log_once("non-contiguous dst", "pyfused DDP: a gradient is not contiguous; its bucket is "
+                  "unflattened by the torch path this time")
+    unflatten_scale_ref(flat, dsts, scale)
+
+
+def flatten_scale_ref(srcs: Sequence[Tensor], flat: Tensor, scale: float) -> None:
+    """The torch path and reference: one multiply per segment straight into the bucket (one pass
+    over the data, as torch DDP's reducer copies; the multiply also casts, rounding once)."""
+    off = 0
+    for s in srcs:
+        out = flat[off:off + s.numel()].view(s.shape)
+        if s.dtype != flat.dtype:
+            s = s.to(torch.promote_types(s.dtype, flat.dtype))
+        torch.mul(s, scale, out=out)
+        off += s.numel()
+
+
+def unflatten_scale_ref(flat: Tensor, dsts: Sequence[Tensor], scale: float = 1.0) -> None:
+    off = 0
+    for d in dsts:
+        src = flat[off:off + d.numel()].view(d.shape)
+        if scale != 1.0:
+            src = src.to(torch.promote_types(src.dtype, d.dtype)) * scale
+        d.copy_(src)
+        off += d.numel()
+
+
+def _log_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.info(msg)

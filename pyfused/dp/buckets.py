@@ -1,0 +1,92 @@
+"""Bucket layout: which gradients travel together, where each lies, and how buckets are padded.
+
+Assignment (as torch DDP's ``_compute_bucket_assignment_by_size``): trainable parameters are taken
+in *reverse* registration order -- roughly the order backward produces their gradients -- and
+packed per dtype into buckets of at most ``cap_bytes`` (a bucket is closed once it reaches the cap;
+one parameter larger than the cap gets a bucket of its own). The first bucket of each dtype is
+capped at ``first_cap_bytes`` (1 MiB) so that the first reduction starts early in backward.
+
+Padding: with a sharded optimizer a bucket is reduce-scattered into ``world`` equal shards, so its
+length is rounded up to ``world * shard`` where ``shard = ceil(numel / world)`` rounded up to a
+16-byte multiple (every shard starts aligned). The pad is zero in every buffer and stays zero
+through the reductions (a sum of zeros), so it never reaches a parameter or a norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+FIRST_BUCKET_BYTES = 1024 * 1024
+ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in its bucket."""
+
+    param: int          # index among the module's parameters (registration order)
+    offset: int         # first element in the bucket
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Bucket:
+    index: int
+    dtype: torch.dtype
+    slots: List[Slot]
+    numel: int          # elements holding gradients
+    padded: int         # buffer length (== numel unless sharded)
+    shard: int          # padded // world
+    # runtime state, reset every synchronising backward
+    pending: int = 0
+    launched: bool = False
+    work: Any = None
+    comm_in: Optional[torch.Tensor] = None     # what the collective reads (kept alive until waited)
+    extra: dict = field(default_factory=dict)  # buffers owned by the reducer / sharded state
+
+
+def assign(params: Sequence[Tuple[int, torch.Tensor]], cap_bytes: int,
+           first_cap_bytes: int = FIRST_BUCKET_BYTES) -> List[List[int]]:
+    """Bucket assignment: lists of parameter indices, bucket 0 first (reverse registration order)."""
+    open_: dict = {}
+    closed: List[Tuple[int, List[int]]] = []  # (position of the first member, members)
+    sizes: dict = {}
+    count: dict = {}
+    for pos, (idx, p) in enumerate(reversed(list(params))):
+        key = p.dtype
+        if key not in open_:
+            open_[key] = (pos, [])
+            sizes[key] = 0
+        open_[key][1].append(idx)
+        sizes[key] += p.numel() * p.element_size()
+        limit = first_cap_bytes if count.get(key, 0) == 0 else cap_bytes
+        if sizes[key] >= limit:
+            closed.append(open_.pop(key))
+            count[key] = count.get(key, 0) + 1
+    closed.extend(open_.values())
+    closed.sort(key=lambda c: c[0])
+    return [members for _, members in closed]
+
+
+def build(params: Sequence[torch.Tensor], indices: List[List[int]], world: int,
+          sharded: bool) -> List[Bucket]:
+    buckets = []
+    for b, members in enumerate(indices):
+        slots, off = [], 0
+        dtype = params[members[0]].dtype
+        for i in members:
+            p = params[i]
+            slots.append(Slot(i, off, p.numel(), p.shape))
+            off += p.numel()
+        if sharded:
+            align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+            shard = -(-off // world)
+            shard = -(-shard // align) * align
+            padded = shard * world
+        else:
+            padded, shard = off, off
+        buckets.append(Bucket(b, dtype, slots, off, padded, shard))
+    return buckets

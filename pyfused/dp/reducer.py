@@ -1,0 +1,375 @@
+"""The gradient reducer: bucketed, overlapped averaging of gradients over a process group.
+
+Design (after torch DDP's C++ reducer; see docs/DDP.md):
+
+* Every trainable parameter has a post-accumulate-grad hook. A synchronising forward (grad mode on,
+  not inside ``no_sync``) arms the hooks; the first hook of the backward (or a hook on the forward's
+  outputs, whichever fires first) queues ``_finalize`` to run when the autograd engine finishes.
+* A hook marks its parameter ready; when a bucket has no pending parameter it is *ready*. Buckets
+  are launched strictly in index order (a ready bucket waits for the ones before it), so that every
+  rank issues the same collectives in the same order whatever order its gradients arrive in.
+* Launching a bucket: on the comm stream (after it waited for the compute stream), gather the
+  bucket's gradients into one buffer, multiplied by 1/world and cast to ``comm_dtype`` (one Triton
+  launch on CUDA, ``cat`` + multiply on CPU), then start an asynchronous all-reduce -- or, with a
+  sharded optimizer, a reduce-scatter into this rank's shard, after which the full gradients are
+  released. Backward continues while the collective runs.
+* ``_finalize`` (end of backward): launches whatever is left in order (gradients that never arrived
+  count as zeros, so the ranks' collectives still match), exchanges a small status vector (unused
+  parameters, hooks fired twice), waits for the outstanding collectives and writes the averages back
+  into ``.grad`` (or hands shards to the sharded optimizer). Problems are raised there, with the same
+  message on every rank, after the group is back in a consistent state -- never as a hang.
+
+Unused parameters. With ``find_unused_parameters=True`` the forward's autograd graph is walked from
+its outputs; parameters it does not reach are marked ready when backward starts (their bucket slots
+hold zeros, or a stale ``.grad`` as torch DDP does) and a parameter reached but never hooked is
+treated the same way at the end. The per-parameter "locally used" flags are summed over the group:
+a parameter unused on every rank keeps its ``.grad`` untouched (None stays None), one used on some
+rank receives the average. With ``find_unused_parameters=False`` a parameter without a gradient is
+an error (torch DDP's, raised on every rank); the status vector that detects it on every rank costs
+one tiny all-reduce per step and is skipped with ``pyfused.comm.set_validation(False)``.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from .. import comm
+from .._logging import logger
+from ..comm import InputError
+from . import bucket_copy
+from .buckets import Bucket
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Reducer:
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 buckets: List[Bucket], pg, device: torch.device, *, comm_dtype: Optional[torch.dtype],
+                 find_unused: bool, as_view: bool, sharded: bool):
+        self.params = list(params)
+        self.names = list(names)
+        self.buckets = buckets
+        self.pg = pg
+        self.world = comm.world_size(pg)
+        self.rank = comm.rank(pg)
+        self.device = device
+        self.comm_dtype = comm_dtype
+        self.find_unused = find_unused
+        self.as_view = as_view and not sharded
+        self.sharded = sharded
+        self.scale = 1.0 / self.world
+        n = len(self.params)
+        self.loc = [None] * n  # param index -> (bucket, position of its slot in the bucket)
+        for b in buckets:
+            for k, s in enumerate(b.slots):
+                self.loc[s.param] = (b, k)
+        self.on_shard_reduced: Optional[Callable[[Bucket, set], None]] = None  # set by ShardedState
+        self.on_bucket_launched: Optional[Callable[[Bucket], None]] = None
+        use_kernel, why = bucket_copy.kernel_available(device, [b.dtype for b in buckets])
+        if not use_kernel:
+            logger.debug("pyfused DDP: bucket copies take the torch path (%s)", why)
+        self._use_kernel = use_kernel
+        self._allocate()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self.params)]
+        self.expect_hooks = False
+        self.in_backward = False
+        # "used" flags accumulate over no_sync iterations until the next synchronising backward
+        # (torch DDP's rule): a parameter used only in an earlier micro-batch still counts as used.
+        self.used = bytearray(n)
+        self._reset()
+
+    # ----------------------------------------------------------------------------- buffers
+    def _comm_dtype_of(self, b: Bucket) -> torch.dtype:
+        return self.comm_dtype or b.dtype
+
+    def _allocate(self) -> None:
+        dev = self.device
+        for b in self.buckets:
+            cdt = self._comm_dtype_of(b)
+            if self.sharded:
+                b.extra["shard_out"] = torch.zeros(b.shard, dtype=cdt, device=dev)
+            elif self.as_view:
+                grad_buf = torch.zeros(b.padded, dtype=b.dtype, device=dev)
+                b.extra["grad_buf"] = grad_buf
+                b.extra["views"] = [grad_buf[s.offset:s.offset + s.numel].view(s.shape)
+                                    for s in b.slots]
+                b.extra["comm_buf"] = (grad_buf if cdt == b.dtype
+                                       else torch.zeros(b.padded, dtype=cdt, device=dev))
+            else:
+                b.extra["comm_buf"] = torch.zeros(b.padded, dtype=cdt, device=dev)
+            if self._use_kernel:
+                b.extra["plan"] = bucket_copy.CopyPlan([s.numel for s in b.slots], dev,
+                                                       max(b.dtype.itemsize, cdt.itemsize))
+
+    # ----------------------------------------------------------------------------- per iteration
+    def _reset(self) -> None:
+        n = len(self.params)
+        self.ready = bytearray(n)
+        self.dups: List[int] = []
+        self.next_bucket = 0
+        self.callback_queued = False
+        self.unused_marked = False
+        self.unreached: List[int] = []
+        for b in self.buckets:
+            b.pending = len(b.slots)
+            b.launched = False
+            b.work = None
+            b.comm_in = None
+
+    def prepare_for_forward(self) -> None:
+        if self.in_backward:
+            raise RuntimeError(
+                "pyfused.DistributedDataParallel: the previous backward started reducing gradients "
+                "but did not finish (did it raise?); the process group may be out of step. Recreate "
+                "the process group and the model.")
+
+    def prepare_for_backward(self, output) -> None:
+        """Arm the hooks for the backward of this forward's ``output``."""
+        self._reset()
+        self.expect_hooks = True
+        outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.grad_fn is not None]
+        for t in outs:
+            t.register_hook(self._output_hook)
+        if self.find_unused:
+            self.unreached = self._unreached(outs)
+
+    def _unreached(self, outs: List[Tensor]) -> List[int]:
+        """Parameters the autograd graph of ``outs`` does not reach (torch DDP's search)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        reached = set()
+        seen = set()
+        stack = [t.grad_fn for t in outs]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None and id(var) in index:
+                reached.add(index[id(var)])
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return [i for i in range(len(self.params)) if i not in reached]
+
+    def _output_hook(self, grad):
+        self._backward_started()
+        return None
+
+    def _backward_started(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self.find_unused and not self.unused_marked:
+            self.unused_marked = True
+            for i in self.unreached:
+                if not self.ready[i]:
+                    self._mark_ready(i)
+
+    def _make_hook(self, i: int):
+        def hook(param):
+            if self.expect_hooks:
+                self._on_grad_ready(i)
+            elif param.grad is not None:
+                self.used[i] = 1  # inside no_sync
+        return hook
+
+    def _on_grad_ready(self, i: int) -> None:
+        self._backward_started()
+        if self.ready[i]:
+            self.dups.append(i)
+            return
+        if self.params[i].grad is not None:
+            self.used[i] = 1
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        self.ready[i] = 1
+        b, k = self.loc[i]
+        if self.as_view:
+            self._grad_into_view(i, b.extra["views"][k])
+        b.pending -= 1
+        if b.pending == 0:
+            while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+                self._launch(self.buckets[self.next_bucket])
+                self.next_bucket += 1
+
+    def _grad_into_view(self, i: int, view: Tensor) -> None:
+        """gradient_as_bucket_view: the gradient must live in the bucket (torch DDP's contract)."""
+        p = self.params[i]
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+            view.copy_(g)
+            p.grad = view
+
+    # ----------------------------------------------------------------------------- launching
+    def _grads_of(self, b: Bucket) -> List[Tensor]:
+        out = []
+        for s in b.slots:
+            g = self.params[s.param].grad
+            out.append(g if g is not None else torch.zeros(s.shape, dtype=b.dtype, device=self.device))
+        return out
+
+    def _launch(self, b: Bucket) -> None:
+        cdt = self._comm_dtype_of(b)
+        plan = b.extra.get("plan")
+        with torch.no_grad(), comm.on_comm_stream(self.device) as stream:
+            if self.as_view:
+                grad_buf, comm_buf = b.extra["grad_buf"], b.extra["comm_buf"]
+                if comm_buf is grad_buf:
+                    grad_buf.mul_(self.scale)
+                else:
+                    torch.mul(grad_buf, self.scale, out=comm_buf)
+                buf = comm_buf
+            elif not self.sharded:
+                grads = self._grads_of(b)
+                buf = b.extra["comm_buf"]
+                bucket_copy.flatten_scale(grads, buf, self.scale, plan)
+                for g in grads:
+                    comm.keep_alive(g, stream)
+            else:
+                grads = self._grads_of(b)
+                buf = torch.empty(b.padded, dtype=cdt, device=self.device)
+                bucket_copy.flatten_scale(grads, buf, self.scale, plan)
+                if b.padded > b.numel:
+                    buf[b.numel:].zero_()
+                for s, g in zip(b.slots, grads):
+                    comm.keep_alive(g, stream)
+                    self.params[s.param].grad = None  # ZeRO-2: the full gradient is not kept
+            b.comm_in = buf
+            if self.pg is None:
+                b.work = None
+                if self.sharded:
+                    b.extra["shard_out"].copy_(buf)
+            elif self.sharded:
+                b.work = _reduce_scatter(b.extra["shard_out"], buf, group=self.pg, async_op=True)
+            else:
+                b.work = dist.all_reduce(buf, group=self.pg, async_op=True)
+        b.launched = True
+        if self.on_bucket_launched is not None:
+            self.on_bucket_launched(b)
+
+    # ----------------------------------------------------------------------------- finalize
+    def _finalize(self) -> None:
+        self.expect_hooks = False
+        try:
+            missing = [i for i in range(len(self.params)) if not self.ready[i]]
+            for i in missing:  # complete every bucket so that all ranks' collectives match
+                self._mark_ready(i)
+            global_used, problem = self._exchange_status(missing)
+            for b in self.buckets:
+                self._complete(b, global_used)
+        finally:
+            self.in_backward = False
+            self.used = bytearray(len(self.params))
+        if problem:
+            raise InputError(problem)
+
+    def _exchange_status(self, missing: List[int]):
+        """(per-parameter count of ranks that used it, or None; error message or None) -- the
+        same on every rank."""
+        n = len(self.params)
+        local_missing = [] if self.find_unused else missing
+        status = [len(local_missing), len(self.dups)]
+        reduce_it = self.pg is not None and self.world > 1
+        used_counts = None
+        if self.find_unused:
+            vec = torch.tensor(status + list(self.used), dtype=torch.int64)
+            if reduce_it:
+                vec = self._all_reduce_small(vec)
+            status, used_counts = vec[:2].tolist(), vec[2:].tolist()
+        elif reduce_it and comm.validation_enabled():
+            status = self._all_reduce_small(torch.tensor(status, dtype=torch.int64)).tolist()
+        if not any(status):
+            return used_counts, None
+        # Something is wrong somewhere: one more exchange names which parameters and ranks.
+        flags = [0] * (2 * n + self.world)
+        for i in local_missing:
+            flags[i] = 1
+        for i in self.dups:
+            flags[n + i] = 1
+        flags[2 * n + self.rank] = len(local_missing) + len(self.dups)
+        vec = torch.tensor(flags, dtype=torch.int64)
+        if reduce_it:
+            vec = self._all_reduce_small(vec)
+        flags = vec.tolist()
+        return used_counts, self._problem_message(flags, n)
+
+    def _all_reduce_small(self, vec: Tensor) -> Tensor:
+        vec = vec.to(comm.comm_device(self.pg))
+        dist.all_reduce(vec, group=self.pg)
+        return vec.cpu()
+
+    def _problem_message(self, flags: List[int], n: int) -> str:
+        missing = [self.names[i] for i in range(n) if flags[i]]
+        dups = [self.names[i] for i in range(n) if flags[n + i]]
+        ranks = [r for r in range(self.world) if flags[2 * n + r]]
+        where = f" on rank(s) {ranks}" if self.world > 1 else ""
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
+            return (f"pyfused.DistributedDataParallel: {len(missing)} parameter(s) received no gradient "
+                    f"in this backward{where}: {shown}. The module has parameters that were not used "
+                    f"in producing the loss. Pass find_unused_parameters=True to "
+                    f"DistributedDataParallel, and make sure every forward output takes part in the "
+                    f"loss. (Their gradients were averaged as zeros so the ranks stay in step.)")
+        shown = ", ".join(repr(d) for d in dups[:8])
+        return (f"pyfused.DistributedDataParallel: the gradient of {shown} was marked ready twice in "
+                f"one backward{where} (a parameter used in several reentrant backward passes, e.g. "
+                f"activation checkpointing with use_reentrant=True, or two backward calls through one "
+                f"forward); this is not supported")
+
+    def _complete(self, b: Bucket, global_used: Optional[List[int]]) -> None:
+        if b.work is not None:
+            b.work.wait()
+        b.work = None
+        unused = set()
+        if global_used is not None:
+            unused = {s.param for s in b.slots if global_used[s.param] == 0}
+        with torch.no_grad():
+            if self.sharded:
+                self.on_shard_reduced(b, unused)
+            elif self.as_view:
+                if b.extra["comm_buf"] is not b.extra["grad_buf"]:
+                    b.extra["grad_buf"].copy_(b.extra["comm_buf"])
+                for k, s in enumerate(b.slots):
+                    p = self.params[s.param]
+                    if p.grad is None and s.param not in unused:
+                        p.grad = b.extra["views"][k]
+            else:
+                self._unflatten(b, unused)
+        b.comm_in = None
+
+    def _unflatten(self, b: Bucket, unused: set) -> None:
+        buf = b.extra["comm_buf"]
+        dsts = []
+        for s in b.slots:
+            p = self.params[s.param]
+            if s.param in unused:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+            dsts.append(p.grad)
+        if not unused:
+            bucket_copy.unflatten_scale(buf, dsts, 1.0, b.extra.get("plan"))
+            return
+        # Some slots keep their gradient untouched: copy the others one by one (rare: only with
+        # parameters unused on every rank).
+        logger.debug("pyfused DDP: bucket %d has parameters unused on every rank; unflattening it "
+                     "per parameter", b.index)
+        k = 0
+        for s in b.slots:
+            if s.param in unused:
+                continue
+            dsts[k].copy_(buf[s.offset:s.offset + s.numel].view(s.shape))
+            k += 1
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
