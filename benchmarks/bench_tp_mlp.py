@@ -11,7 +11,10 @@ sequence-first input [S, H], in two variants:
     ColwiseParallel(input_layouts=Shard(0)), RowwiseParallel(output_layouts=Shard(0))).
 Rows per (shape, variant): torch-tp (DTensor ``parallelize_module``), and pyfused's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` with overlap = unfused | decomposed | fused | auto.
-Both models are sharded from the same full layers; their outputs and input gradients are checked
+The norm runs on the sequence shard in both SP models; torch's DTensor also all-reduces the norm's
+weight gradient (a replicated parameter), pyfused leaves that to the optimizer step as Megatron does
+-- a small extra collective (2*H elements) in torch's SP backward. Both models are sharded from the
+same full layers; their outputs and input gradients are checked
 against each other before anything is timed. One step is: forward, ``backward`` of a fixed output
 gradient (the input requires grad, so the input-gradient collectives are counted).
 
@@ -53,7 +56,7 @@ def mlp_shapes(ctx) -> List[MlpShape]:
     items = [s.strip() for s in spec.split(",") if s.strip()] if spec else list(scale.models)
     out = []
     for item in items:
-        lit = shapes._LITERAL.match(item)
+        lit = shapes.LITERAL.match(item)
         if lit:
             s, h, f = map(int, lit.groups())
             label = item

@@ -136,7 +136,7 @@ def model_shapes(op: str, world: int, scale: Scale, models: Sequence[str] = None
     return out
 
 
-_LITERAL = re.compile(r"^(\d+)x(\d+)x(\d+)$")
+LITERAL = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
 
 def parse(spec: Optional[str], op: str, world: int, device_type: str, quick: bool) -> List[OpShape]:
@@ -146,7 +146,7 @@ def parse(spec: Optional[str], op: str, world: int, device_type: str, quick: boo
         return model_shapes(op, world, scale)
     out: List[OpShape] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        lit = _LITERAL.match(item)
+        lit = LITERAL.match(item)
         if lit:
             m, k, n = map(int, lit.groups())
             if op == "matmul_reduce_scatter" and m % world:

@@ -229,7 +229,8 @@ FAKE_SUITES = {
 
 def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     """Under torchrun: suites that raise everywhere, on one rank only (the other rank's collective
-    times out), or lack MULTI_RANK are failed rows; the suites after them still run; exit != 0."""
+    times out), or lack MULTI_RANK are failed rows; the suites after them still run, a single-device
+    suite on rank 0 alone; exit != 0."""
     pkg = tmp_path / "fakesuites"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -238,7 +239,8 @@ def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     order = ["raises", "rank1", "nomulti", "ok", "single"]
     out = tmp_path / "out"
     r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "pyfused.bench", "--no-progress", "--timeout", "3", "--out", str(out),
+              "-m", "pyfused.bench", "--no-progress", "--no-validate", "--timeout", "3",
+              "--out", str(out),
               "--suites", ",".join(f"fakesuites.bench_{n}" for n in order)],
              tmp_path, extra_path=tmp_path, timeout=120)
     assert r.returncode != 0
@@ -249,6 +251,7 @@ def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     assert "MULTI_RANK" in rows["nomulti"]["status"]
     assert rows["ok"]["status"] == "ok" and rows["ok"]["time_ms"] == 2.0  # the sum over 2 ranks
     assert rows["ok"]["world_seen"] == 2 and rows["ok"]["transport"] == "gloo"
+    assert rows["ok"]["validate"] is False  # --no-validate is recorded
     assert rows["single"]["status"] == "ok" and rows["single"]["transport"] == "none"
     assert rows["single"]["world"] == 1
     assert "boom on rank 1 only" in r.stderr and "2 suite(s) ok, 3 FAILED" in r.stdout
