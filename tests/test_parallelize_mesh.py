@@ -1,0 +1,72 @@
+"""``pyfused.parallelize`` on 2-D meshes: dp x tp (pyfused's DistributedDataParallel) and pp x tp
+(pyfused.pipeline's splitter and 1F1B schedule) == the single-process model (see test_parallelize.py).
+
+Sizes as in test_parallelize.py, with a batch of 4 (two dp halves, or two pipeline microbatches).
+"""
+import pytest
+import torch
+
+from tests.test_parallelize import SEQ, VOCAB, build
+from tests.utils import assert_close
+
+pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers (the 'models' extra)")
+
+
+def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
+    """dp x tp or pp x tp: each dp rank trains on its half of a batch of 4; the gradients must be the
+    full batch's (DDP averages), the logits and loss those of the rank's half."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp = mesh.size(names.index("dp")) if "dp" in names else 1
+    dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels[0, :3] = -100  # padding: the halves' token counts differ, DDP still averages the means
+    rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    ref = build(family)
+    with torch.no_grad():
+        ref_out = ref(input_ids=ids[rows], labels=labels[rows])
+    if dp == 1:
+        full = ref(input_ids=ids, labels=labels)
+        full.loss.backward()
+    else:  # DDP's gradient: the mean of the dp ranks' mean-loss gradients
+        for r in range(dp):
+            part = slice(r * 4 // dp, (r + 1) * 4 // dp)
+            (ref(input_ids=ids[part], labels=labels[part]).loss / dp).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp, **pipeline_options)
+    out = pm(input_ids=ids[rows], labels=labels[rows])
+    tag = f"{family} mesh {dict(zip(names, shape))} sp={sp} rank {rank}"
+    last = "pp" not in names or mesh.get_local_rank("pp") == mesh.size(names.index("pp")) - 1
+    if last:
+        assert_close(out.logits, ref_out.logits, name=f"logits {tag}")
+    else:
+        assert out.logits is None, tag
+    assert_close(out.loss, ref_out.loss, name=f"loss {tag}")  # pp: broadcast from the last stage
+    pm.backward(out.loss)
+    grads = pm.full_grad_dict()
+    assert list(grads) == list(ref_grads), tag
+    for name, gr in grads.items():
+        assert_close(gr, ref_grads[name], name=f"grad {name} {tag}")
+    full_sd, orig = pm.full_state_dict(), ref.state_dict()
+    assert list(full_sd) == list(orig), tag
+    for k in orig:
+        assert torch.equal(full_sd[k], orig[k]), f"state {k} {tag}"
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_data_parallel_x_tensor_parallel(ranks, family):
+    assert all(ranks.run(4, _mesh_matches, family, (2, 2), ("dp", "tp"), True, {}, timeout=240))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pipeline_x_tensor_parallel(ranks, family):
+    # gpt2 ties its LM head to the embedding: the two copies live on different stages
+    assert all(ranks.run(4, _mesh_matches, family, (2, 2), ("pp", "tp"), True,
+                         {"n_microbatches": 2}, timeout=240))
