@@ -261,3 +261,30 @@ def test_timeline(ranks, tmp_path):
         assert n_compute == 8  # 4 forwards + 4 backwards
         assert 0 <= bub < 1
     assert path.stat().st_size > 1000
+
+
+# --- the benchmark suite (smoke: rows and pictures, not speed) --------------------------------
+
+def bench_quick(rank, world, out):
+    import torch.distributed as dist
+
+    from pyfused.bench.harness import BenchContext
+    from pyfused.benchmarks import bench_pipeline
+
+    ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                       warmup=1, iters=2, options={"out": out})
+    return bench_pipeline.run(ctx)
+
+
+def test_benchmark_suite_quick(ranks, tmp_path):
+    from pathlib import Path
+
+    results = ranks.run(2, bench_quick, str(tmp_path), timeout=120)
+    rows = results[0]
+    assert [(r["schedule"], r["method"]) for r in rows] == [
+        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "pyfused")]
+    for r in rows:
+        assert r["time_ms"] > 0 and r["compute_only_ms"] > 0
+        if r["method"] == "pyfused":
+            assert 0 <= r["bubble_timeline"] < 1 and Path(r["timeline_png"]).stat().st_size > 1000
+    assert [r["shape"] for r in results[1]] == [r["shape"] for r in rows]
