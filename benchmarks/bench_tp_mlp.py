@@ -11,12 +11,12 @@ sequence-first input [S, H], in two variants:
     ColwiseParallel(input_layouts=Shard(0)), RowwiseParallel(output_layouts=Shard(0))).
 Rows per (shape, variant): torch-tp (DTensor ``parallelize_module``), and pyfused's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` with overlap = unfused | decomposed | fused | auto.
-The norm runs on the sequence shard in both SP models; torch's DTensor also all-reduces the norm's
-weight gradient (a replicated parameter), pyfused leaves that to the optimizer step as Megatron does
--- a small extra collective (2*H elements) in torch's SP backward. Both models are sharded from the
-same full layers; their outputs and input gradients are checked
-against each other before anything is timed. One step is: forward, ``backward`` of a fixed output
-gradient (the input requires grad, so the input-gradient collectives are counted).
+The norm runs on the sequence shard in both SP models, and neither reduces its weight gradient in
+the step (torch leaves a Partial DTensor, pyfused a per-rank partial, as Megatron does until the
+optimizer step). Both models are sharded from the same full layers; their outputs and input
+gradients are checked against each other before anything is timed, and the variants are then timed
+round-robin (``time_interleaved``). One step is: forward, ``backward`` of a fixed output gradient
+(the input requires grad, so the input-gradient collectives are counted).
 
 TFLOP/s counts the two GEMMs, forward and backward: 3 x 2 GEMMs x 2*S*H*F/W = 12*S*H*F/W per rank.
 Shapes: the Llama-3 MLP sizes of benchmarks/shapes.py scaled as there (the MLP uses F, not the fused
@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from pyfused.bench.gemm_collective import agree_close, method_transport
-from pyfused.bench.harness import op_row, speedup, time_fn
+from pyfused.bench.harness import op_row, speedup, time_interleaved
 
 from . import shapes
 
@@ -173,29 +173,26 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
         return finish(y).detach().clone(), x.grad.detach().clone()
 
     label = f"{shape.label} {'SP' if sp else 'TP'}"
-    times: Dict[str, float] = {}
     notes: Dict[str, str] = {}
-    transports: Dict[str, str] = {}
+    transports: Dict[str, str] = {"torch-tp": ctx.transport}
     torch_model = torch_tp_mlp(full, ctx, sp)
     y_ref, gx_ref = forward_backward(torch_model)
-    times["torch-tp"] = time_fn(step_of(torch_model), ctx)
-    transports["torch-tp"] = ctx.transport
-    del torch_model
+    steps = {"torch-tp": step_of(torch_model)}
     for method in METHODS:
         model = pyfused_mlp(full, ctx, sp, method)
+        transports[method] = method_transport(method, ctx)
         try:
             y, gx = forward_backward(model)
         except MethodUnavailable as e:  # raised on every rank alike
             notes[method] = f"unavailable: {e}"
-            transports[method] = method_transport(method, ctx)
             continue
         agree_close(y, y_ref, f"tp_mlp[{method}] output vs torch-tp at {label}", ctx)
         agree_close(gx, gx_ref, f"tp_mlp[{method}] input grad vs torch-tp at {label}", ctx)
-        transports[method] = method_transport(method, ctx)
         if method == "auto":
             notes[method], chosen = auto_note(shape, ctx, sp)
             transports[method] = ("symm-mem" if "fused" in chosen and w > 1 else ctx.transport)
-        times[method] = time_fn(step_of(model), ctx)
+        steps[method] = step_of(model)
+    times = time_interleaved(steps, ctx)  # round-robin: no variant favoured by when it ran
 
     flop = 12.0 * shape.tokens * shape.hidden * shape.ffn / w
     rows = []

@@ -83,14 +83,14 @@ def test_tune_argument_errors():
 
 # ---- on 2 ranks --------------------------------------------------------------------------------
 
-def _scripted(per_call_ms):
-    """A ``timer`` that runs the candidate once (it is a collective) and reports the next scripted
-    time, in the tuner's candidate order: unfused, decomposed (per chunk count), fused."""
-    it = iter(per_call_ms)
-
-    def timer(fn, ctx):
-        fn()
-        return next(it)
+def _scripted(per_candidate_ms):
+    """A ``timer`` that runs each candidate once (they are collectives) and reports scripted times,
+    in the tuner's candidate order: unfused, decomposed (per chunk count), fused."""
+    def timer(fns, ctx):
+        assert len(fns) == len(per_candidate_ms), list(fns)
+        for fn in fns.values():
+            fn()
+        return dict(zip(fns, per_candidate_ms))
     return timer
 
 

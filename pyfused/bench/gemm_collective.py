@@ -6,19 +6,20 @@ For each shape, in one run and on the same inputs:
   * every method: unfused (the baseline), decomposed, fused (a row "unavailable: <reason>" where it
     cannot run, never a made-up number) and auto (its note says what it chose and why).
 Each method's output is first checked against the unfused one (the same check on every rank, so a
-wrong result fails the suite everywhere instead of being timed).
+wrong result fails the suite everywhere instead of being timed). The parts and the methods are then
+timed round-robin (``time_interleaved``), so none of them is favoured by when it ran.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 
 from .. import comm, ops
 from ..ops import _common
-from .harness import BenchContext, op_row, tensor_bytes, time_fn
+from .harness import BenchContext, op_row, tensor_bytes, time_interleaved
 
 COLLECTIVE = {
     "all_gather_matmul": "all_gather",
@@ -84,40 +85,49 @@ def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
     common = dict(shape=label, dtype=dtype, flop=flop, collective=collective, nbytes=nbytes,
                   m=m_full, n=n, k=k, op=op)
 
-    rows = []
-    a_full = torch.randn((m_full, k), generator=gen).to(ctx.device, dtype)
-    t_gemm = time_fn(lambda: a_full @ b, ctx)
-    rows.append(op_row(ctx, **{**common, "collective": None}, method="gemm alone",
-                       transport="none", ms=t_gemm))
-    t_comm: Optional[float] = None
-    if w > 1:
-        t_comm = time_fn(comm_alone(op, ctx, a, m_full, n), ctx)
-        rows.append(op_row(ctx, **{**common, "flop": 0.0}, method=f"{collective} alone",
-                           transport=ctx.transport, ms=t_comm))
-
+    # First every method once: is it available here, is its result right, what does auto pick.
     ref = fn(a, b, ctx.group, method="unfused")
-    t_unfused: Optional[float] = None
+    unavailable: Dict[str, str] = {}
+    notes: Dict[str, str] = {}
+    transports = {m: method_transport(m, ctx) for m in METHODS}
     for method in METHODS:
-        note = ""
         try:
             out = fn(a, b, ctx.group, method=method)
         except _common.MethodUnavailable as e:  # raised on every rank alike
-            rows.append(op_row(ctx, **common, method=method, transport=method_transport(method, ctx),
-                               ms=None, status=f"unavailable: {e}"))
+            unavailable[method] = f"unavailable: {e}"
             continue
         agree_close(out, ref, f"{op}[{method}] at {shape.label}", ctx)
-        transport = method_transport(method, ctx)
         if method == "auto":
             choice = _common.prepare(op, a, b, ctx.group, "auto",
                                      scatter_dim0=op == "matmul_reduce_scatter")[1]
-            transport = method_transport(choice.method, ctx)
+            transports[method] = method_transport(choice.method, ctx)
             chunks = f", {choice.chunks} chunks" if choice.chunks else ""
-            note = f"chose {choice.method}{chunks}: {choice.reason}"
-        ms = time_fn(lambda: fn(a, b, ctx.group, method=method), ctx)
-        if method == "unfused":
-            t_unfused = ms
-        rows.append(op_row(ctx, **common, method=method, transport=transport, ms=ms,
-                           t_baseline=t_unfused, t_gemm=t_gemm, t_comm=t_comm, note=note))
+            notes[method] = f"chose {choice.method}{chunks}: {choice.reason}"
+
+    # Then the parts alone and the methods, timed round-robin in one run.
+    a_full = torch.randn((m_full, k), generator=gen).to(ctx.device, dtype)
+    timed: Dict[str, Callable[[], object]] = {"gemm": lambda: a_full @ b}
+    if w > 1:
+        timed["comm"] = comm_alone(op, ctx, a, m_full, n)
+    for method in METHODS:
+        if method not in unavailable:
+            timed[method] = (lambda m=method: fn(a, b, ctx.group, method=m))
+    t = time_interleaved(timed, ctx)
+
+    t_gemm, t_comm, t_unfused = t["gemm"], t.get("comm"), t["unfused"]
+    rows = [op_row(ctx, **{**common, "collective": None}, method="gemm alone", transport="none",
+                   ms=t_gemm)]
+    if t_comm is not None:
+        rows.append(op_row(ctx, **{**common, "flop": 0.0}, method=f"{collective} alone",
+                           transport=ctx.transport, ms=t_comm))
+    for method in METHODS:
+        if method in unavailable:
+            rows.append(op_row(ctx, **common, method=method, transport=transports[method],
+                               ms=None, status=unavailable[method]))
+        else:
+            rows.append(op_row(ctx, **common, method=method, transport=transports[method],
+                               ms=t[method], t_baseline=t_unfused, t_gemm=t_gemm, t_comm=t_comm,
+                               note=notes.get(method, "")))
     return rows
 
 

@@ -74,38 +74,61 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _run_timed(fn: Callable[[], Any], ctx: BenchContext) -> float:
+    """One iteration: barrier, then ``fn()`` timed on this rank (ms)."""
+    if ctx.world > 1:
+        dist.barrier(group=ctx.group)
+    if ctx.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _slowest_rank(times: List[float], ctx: BenchContext) -> List[float]:
+    """Each iteration's time on the slowest rank (one all-reduce for the whole list)."""
+    if ctx.world == 1:
+        return times
+    t = torch.tensor(times, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return t.tolist()
+
+
 def time_fn(fn: Callable[[], Any], ctx: BenchContext, warmup: Optional[int] = None,
             iters: Optional[int] = None) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs; the slowest rank's time per iteration.
     Every rank of ``ctx.group`` must call this with the same counts."""
+    return time_interleaved({"fn": fn}, ctx, warmup, iters)["fn"]
+
+
+def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
+                     warmup: Optional[int] = None, iters: Optional[int] = None) -> Dict[str, float]:
+    """``time_fn`` of several functions measured round-robin: iteration i of every function runs
+    before iteration i+1 of any. Load that drifts during a run (a shared machine, clocks, the
+    allocator) then hits every variant alike instead of whichever was timed first, which matters
+    when the variants are compared with each other (speedups). Same count on every rank."""
     warmup = ctx.warmup if warmup is None else warmup
     iters = ctx.iters if iters is None else iters
-    for _ in range(warmup):
-        fn()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
     synchronize(ctx.device)
-    times = []
+    times: List[float] = []  # iteration-major: [it0 f0, it0 f1, ..., it1 f0, ...]
     for _ in range(iters):
-        if ctx.world > 1:
-            dist.barrier(group=ctx.group)
-        if ctx.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    if ctx.world > 1:
-        t = torch.tensor(times, dtype=torch.float64,
-                         device=ctx.device if ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-        times = t.tolist()
+        for name in names:
+            times.append(_run_timed(fns[name], ctx))
+    times = _slowest_rank(times, ctx)
+    out = {name: statistics.median(times[i::len(names)]) for i, name in enumerate(names)}
     if progress_hook is not None:
-        progress_hook()
-    return statistics.median(times)
+        for _ in names:
+            progress_hook()
+    return out
 
 
 def tflops(flop: float, ms: float) -> float:

@@ -2,8 +2,9 @@
 
 ``tune(op, a_shape, b_shape, dtype, group)`` is a collective: every rank of ``group`` calls it with
 the same arguments. It times each candidate -- unfused, decomposed (for matmul_all_reduce once per
-chunk count), fused where it can run -- with the bench harness (``time_fn``: the same fixed number of
-iterations on every rank, each iteration's time the slowest rank's, the median of those). Rank 0
+chunk count), fused where it can run -- with the bench harness (``time_interleaved``: the candidates
+round-robin, the same fixed number of iterations on every rank, each iteration's time the slowest
+rank's, the median of those). Rank 0
 then decides (``decide``) and broadcasts the entry, and every rank writes that same entry to its
 cache file, so ``auto`` makes the same choice everywhere even if ranks' files were written apart.
 
@@ -94,10 +95,11 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
 
     ``methods``: a subset of unfused | decomposed | fused (unfused is always added: it is the
     baseline). ``chunks``: chunk counts to try for matmul_all_reduce's decomposed method (default
-    2, 4, 8, capped at the row count). ``timer(fn, ctx) -> ms`` replaces the harness's ``time_fn``
-    (tests use it to script timings). Returns the agreed entry and the measurements."""
+    2, 4, 8, capped at the row count). ``timer({label: fn}, ctx) -> {label: ms}`` replaces the
+    harness's ``time_interleaved`` (tests use it to script timings). Returns the agreed entry and
+    the measurements."""
     from .. import comm, ops
-    from ..bench.harness import BenchContext, time_fn
+    from ..bench.harness import BenchContext, time_interleaved
     from ..ops import MethodUnavailable
 
     if op not in OPS:
@@ -126,7 +128,7 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
     w0, i0 = DEFAULT_ITERS.get(device.type, DEFAULT_ITERS["cuda"])
     ctx = BenchContext(rank, world, pg, device, backend, warmup=w0 if warmup is None else warmup,
                        iters=i0 if iters is None else iters)
-    timer = timer or time_fn
+    timer = timer or time_interleaved
 
     gen = torch.Generator().manual_seed(7 + rank)
     a = torch.randn(a_shape, generator=gen).to(device, dtype)
@@ -138,7 +140,7 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
         candidates += [("decomposed", c) for c in chunk_list]
     if "fused" in methods:
         candidates.append(("fused", 0))
-    times: Dict[Candidate, float] = {}
+    calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
     for method, n_chunks in candidates:
         extra = {"chunks": n_chunks} if op == "matmul_all_reduce" else {}
@@ -148,7 +150,10 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
         except MethodUnavailable as e:
             skipped[label((method, n_chunks))] = str(e)
             continue
-        times[(method, n_chunks)] = float(timer(call, ctx))
+        calls[label((method, n_chunks))] = call
+    measured = timer(calls, ctx)  # round-robin by default: no candidate favoured by its turn
+    times: Dict[Candidate, float] = {c: float(measured[label(c)]) for c in candidates
+                                     if label(c) in calls}
 
     entry_key = key(op, world, a_shape, b_shape, dtype, device)
     value = None
