@@ -29,13 +29,18 @@ CASES = {
                    "num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
     "vocab": (lambda r, w: build("gpt2", vocab_size=VOCAB + 2), {}, "vocabulary size 102 is not divisible"),
     "differs": (lambda r, w: build("llama", intermediate_size=44 + 4 * (r == w - 1)), {},
-                "the model differs between ranks"),
+                "the model, the mesh or the options differ between ranks"),
     "plan_typo": (lambda r, w: build("llama"), {"plan": {"model.layer.*.mlp.up_proj": "colwise"}},
                   "matches no module"),
     "uncovered": (lambda r, w: build("llama"),
                   {"plan": {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}},
                   "the plan does not cover parameter(s) model.embed_tokens.weight"),
     "bad_style": (lambda r, w: build("llama"), {"plan": {"lm_head": "columnwise"}}, "unknown style 'columnwise'"),
+    # on a 2-D mesh the verdict travels along both dims: rank 3 shares no dim group with rank 0
+    "differs_2d": (lambda r, w: build("gpt2", n_inner=52 + 4 * (r == 3)), {"mesh": ((2, 2), ("dp", "tp"))},
+                   "the model, the mesh or the options differ between ranks"),
+    "pp_too_deep": (lambda r, w: build("gpt2", n_layer=1), {"mesh": ((4,), ("pp",))},
+                    "pp=4 stages but the model has only 3 pipeline units"),
 }
 
 
@@ -46,9 +51,11 @@ def _bad_parallelize(rank, world, case):
     from pyfused.parallelize import ParallelizeError
 
     builder, kwargs, _ = CASES[case]
+    kwargs = dict(kwargs)
+    shape, names = kwargs.pop("mesh", ((world,), ("tp",)))
     model = builder(rank, world)
     linears_before = sum(isinstance(m, nn.Linear) for m in model.modules())
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     try:
         pyfused.parallelize(model, mesh, **kwargs)
     except ParallelizeError as e:

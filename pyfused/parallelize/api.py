@@ -3,9 +3,9 @@
 Order of work (every rank runs the same steps on the same full model):
   1. local checks that need no communication: the mesh's dims, the plan (``plan="auto"`` picks the
      family from ``config.model_type``), every parameter covered, every sharded size divisible;
-  2. one ``comm.agree`` over the default group: all ranks must hold the same model (a fingerprint of
-     parameter names, shapes and dtypes) and options, and any rank's problem is raised on every rank
-     with the same message -- before any other collective;
+  2. one fixed-size exchange per mesh dim (``_agree``): all ranks must hold the same model (a
+     fingerprint of parameter names, shapes and dtypes) and options, and any rank's problem is
+     raised on every rank with the same message -- before any other collective;
   3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
   4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp`` with
      pyfused's DistributedDataParallel.
@@ -27,6 +27,11 @@ from .._logging import logger
 from . import plans as plans_mod
 from . import tensor_parallel as tp_mod
 from .shard import ShardSpec
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh as DeviceMeshType
+except ImportError:  # pragma: no cover - torch without DeviceMesh
+    DeviceMeshType = ()
 
 MESH_DIMS = ("dp", "pp", "tp")
 
@@ -56,11 +61,7 @@ class MeshInfo:
 
 
 def _mesh_problem(mesh) -> Optional[str]:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover
-        return "torch.distributed.device_mesh is not available in this torch build"
-    if not isinstance(mesh, DeviceMesh):
+    if not isinstance(mesh, DeviceMeshType):
         return f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}"
     names = tuple(mesh.mesh_dim_names or ())
     if len(names) != mesh.ndim:
@@ -68,9 +69,6 @@ def _mesh_problem(mesh) -> Optional[str]:
     bad = [n for n in names if n not in MESH_DIMS]
     if bad or len(set(names)) != len(names):
         return f"mesh dims must be distinct names among {MESH_DIMS}; got {names}"
-    if mesh.size() != dist.get_world_size():
-        return (f"the mesh has {mesh.size()} ranks but the default group {dist.get_world_size()}; "
-                f"parallelize a model over the whole job's mesh")
     return None
 
 
@@ -80,30 +78,42 @@ def _fingerprint(model: nn.Module) -> int:
     return zlib.crc32(text.encode()) & 0x3FFFFFFF
 
 
-def _agree(model_fp: int, sizes, sp: bool, problem: Optional[str]) -> None:
+def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optional[str]) -> None:
+    """Raise the same ParallelizeError on every rank of the mesh if any rank has a problem or holds a
+    different model or options.
+
+    One fixed-size exchange (``comm.exchange``) per mesh dim, over that dim's group: after the
+    exchange along dim k every rank folds in what its dim-k peers reported, so after the last dim
+    every rank knows the verdict of the whole mesh (a product of its dims) without a group spanning
+    it. A mesh that is not a valid named DeviceMesh is checked over the default group instead."""
     err = zlib.crc32(problem.encode()) & 0x3FFFFFFF if problem else 0
-    sig = comm.Signature(comm.op_code("parallelize"), (model_fp, *sizes, int(sp), err), ())
-
-    def check(sigs):
-        msg = comm.differs(sigs, "the mesh (dp, pp, tp) or sequence_parallel",
-                           lambda s: s.ints[1:5])
-        if msg:
-            return msg
-        if comm.differs(sigs, "model", lambda s: s.ints[0]):
-            bad = next(r for r, s in enumerate(sigs) if s.ints[0] != sigs[0].ints[0])
-            return (f"the model differs between ranks (parameter names, shapes or dtypes of rank {bad} "
-                    f"differ from rank 0's): build the same model on every rank")
-        failing = [r for r, s in enumerate(sigs) if s.ints[5]]
-        if not failing:
-            return None
-        if all(s.ints[5] == sigs[0].ints[5] for s in sigs) and problem:
-            return problem
-        return f"rank(s) {failing} cannot parallelize the model (see their logs)"
-
-    try:
-        comm.agree(comm.resolve_group(None), sig, check)  # the default group
-    except comm.InputError as e:
-        raise ParallelizeError(str(e)) from None
+    # status: model, options (4), error crc (0: none, 1: different errors), all ranks have it, differs
+    status = [model_fp, *sizes, int(sp), err, int(err != 0), 0]
+    if mesh_ok:
+        groups = [mesh.get_group(n) for n in mesh.mesh_dim_names]
+    else:
+        groups = [comm.resolve_group(None)]
+    for pg in groups:
+        sigs = comm.exchange(pg, comm.Signature(comm.op_code("parallelize"), tuple(status), ()))
+        rows = [s.ints for s in sigs]
+        differs = any(r[:5] != rows[0][:5] for r in rows) or any(r[7] for r in rows)
+        crcs = {r[5] for r in rows if r[5]}
+        status[5] = 0 if not crcs else crcs.pop() if len(crcs) == 1 else 1
+        status[6] = int(all(r[6] for r in rows))
+        status[7] = int(differs)
+    if status[7]:
+        msg = ("the model, the mesh or the options differ between ranks (parameter names, shapes "
+               "and dtypes, (dp, pp, tp) sizes and sequence_parallel must match): build the same "
+               "model and call parallelize() with the same arguments on every rank")
+    elif status[5] and status[6] and status[5] == err:
+        msg = problem
+    elif status[5]:
+        if problem:
+            logger.error("pyfused.parallelize on this rank: %s", problem)
+        msg = "some ranks cannot parallelize the model (their problem is logged there)"
+    else:
+        return
+    raise ParallelizeError(f"pyfused.parallelize: {msg}")
 
 
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
@@ -111,7 +121,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
                 **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
-    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1) covering the job.
+    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
+    stays within the mesh's dim groups.
     ``plan``: "auto" (Llama family or GPT-2) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
@@ -121,7 +132,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
                            "init_process_group) and a DeviceMesh over it")
     problem = _mesh_problem(mesh)
-    info = MeshInfo(mesh) if problem is None else None
+    mesh_ok = problem is None
+    info = MeshInfo(mesh) if mesh_ok else None
     sizes = tuple(info.size[d] for d in MESH_DIMS) if info else (0, 0, 0)
     resolved = None
     if problem is None:
@@ -137,7 +149,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
     if problem is None and info.size["pp"] == 1 and pipeline_options:
         problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
-    _agree(_fingerprint(model), sizes, bool(sequence_parallel), problem)
+    _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem)
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)

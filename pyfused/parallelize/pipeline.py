@@ -281,12 +281,18 @@ class PipelinedModel:
 
             split_points = even_starts(len(units), pp)
         example = (example_input_ids.to(device),) if example_input_ids is not None else None
-        # Decided once for the whole job (rank 0 of the default group), before TP: every pipeline
-        # group must cut the same way, and profiling must not run TP collectives on one rank only.
-        stages, report = split(units, pp, example, balance=balance or "time", split_points=split_points,
-                               group=comm.resolve_group(None))
+        # Before TP, so that profiling runs no TP collective (only pp rank 0 profiles). Every
+        # pipeline group decides, then all adopt the cut of the group at dp = tp = 0: the TP ranks of
+        # a stage must hold the same blocks.
+        _, report = split(units, pp, example, balance=balance or "time", split_points=split_points,
+                          group=self.pg)
+        points = [list(report.split_points)]
+        for dim in ("tp", "dp"):
+            if info.size[dim] > 1:
+                dist.broadcast_object_list(points, group=info.group[dim], group_src=0,
+                                           device=comm.comm_device(info.group[dim]))
         self.report = report
-        bounds = [0, *report.split_points, len(units)]
+        bounds = [0, *points[0], len(units)]
         mine = range(bounds[stage], bounds[stage + 1])
         self.is_first, self.is_last = stage == 0, stage == pp - 1
         self.tied = self._tied_pair(model, before, after)
@@ -338,8 +344,8 @@ class PipelinedModel:
         self.num_items = None
         self.schedule = sched_cls(self.stage, self.n_microbatches, loss_fn=self._loss)
         self.vocab = model.config.vocab_size
-        logger.info("pyfused.parallelize: pipeline stage %d/%d holds units %s (%s)", stage, pp,
-                    [report.layer_names[i] for i in mine], schedule)
+        logger.info("pyfused.parallelize: pipeline stage %d/%d holds units %s (%s): %s", stage, pp,
+                    list(mine), schedule, "embedding, blocks, head = units 0, 1..N, N+1")
         return self
 
     @staticmethod
