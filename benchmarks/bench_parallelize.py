@@ -1,0 +1,143 @@
+"""One training step of a transformers Llama model parallelized by ``pyfused.parallelize`` against the
+same model parallelized by torch's own ``parallelize_module`` (DTensor), on the same TP mesh (every
+rank of the suite's group), in the same run.
+
+Variants (rows):
+  * ``torch-tp``: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, vocab-parallel embedding
+    (RowwiseParallel, replicated output) and LM head (ColwiseParallel, replicated logits) -- the
+    plan transformers' own ``tp_plan`` and torchtitan use without sequence parallelism. (torch's
+    sequence parallelism shards dim 1 of batch-first activations, which the transformers model's own
+    forward then misreads as the sequence length, so there is no torch SP row.)
+  * ``pyfused-tp``: ``parallelize(model, mesh, sequence_parallel=False)``;
+  * ``pyfused-tp+sp``: ``parallelize(model, mesh)`` (norms on sequence shards, all_gather_matmul /
+    matmul_reduce_scatter).
+All three start from the same full model; their losses are checked against each other before
+anything is timed. A step is ``zero_grad``, forward with labels (full logits + loss), backward and an
+AdamW step. ``tokens_per_s`` = batch x sequence / step time; ``tflops`` counts 6 x (GEMM parameters)
+per token plus causal attention (6 x 2 x s x h per token and layer, the full square), per rank.
+
+Sizes: a small model on CPU (the default run takes a few seconds on 2 gloo ranks), a 4-layer
+2048-wide one on GPU; ``--quick`` shrinks both. pyfused validates every op's inputs across ranks by
+default (one tiny all-gather per call; the ``validate`` column) -- ``--no-validate`` measures without.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from pyfused.bench.gemm_collective import agree_close
+from pyfused.bench.harness import metadata, op_row, speedup, time_fn
+
+MULTI_RANK = True
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    batch: int
+    seq: int
+
+    @property
+    def label(self) -> str:
+        return (f"llama h={self.hidden} L={self.layers} heads={self.heads}/{self.kv_heads} "
+                f"ffn={self.ffn} V={self.vocab} b={self.batch} s={self.seq}")
+
+
+SIZES = {  # (device type, quick) -> size; every dim divisible by up to 8 TP ranks
+    ("cpu", False): Size(128, 2, 8, 8, 344, 512, 4, 64),
+    ("cpu", True): Size(64, 2, 8, 8, 176, 256, 2, 32),
+    ("cuda", False): Size(2048, 4, 16, 8, 5632, 32000, 2, 1024),
+    ("cuda", True): Size(1024, 2, 16, 8, 2816, 32000, 2, 512),
+}
+
+
+def build(size: Size, ctx):
+    import transformers as tf
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(1234)
+    cfg = tf.LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.ffn,
+                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                         num_key_value_heads=size.kv_heads, max_position_embeddings=size.seq)
+    model = tf.LlamaForCausalLM(cfg).to(ctx.device, ctx.dtype)
+    torch.random.set_rng_state(state)
+    return model
+
+
+def torch_tp(model, mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        plan[f"model.layers.*.self_attn.{name}"] = ColwiseParallel()
+    plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
+    plan["model.layers.*.mlp.gate_proj"] = ColwiseParallel()
+    plan["model.layers.*.mlp.up_proj"] = ColwiseParallel()
+    plan["model.layers.*.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def flop_per_rank(size: Size, world: int) -> float:
+    h, f, L, s = size.hidden, size.ffn, size.layers, size.seq
+    head_dim = h // size.heads
+    gemm_params = L * (2 * h * h + 2 * h * size.kv_heads * head_dim + 3 * h * f) + h * size.vocab
+    tokens = size.batch * s
+    return (6 * gemm_params * tokens + 6 * 2 * s * h * L * tokens) / world
+
+
+def run(ctx) -> List[Dict]:
+    import pyfused
+    from torch.distributed.device_mesh import DeviceMesh
+
+    size = SIZES[(ctx.device.type if ctx.device.type == "cuda" else "cpu", ctx.quick)]
+    mesh = DeviceMesh.from_group(ctx.group, ctx.device.type, mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, size.vocab, (size.batch, size.seq), generator=g).to(ctx.device)
+    full = build(size, ctx)
+    makers = {
+        "torch-tp": lambda m: torch_tp(m, mesh),
+        "pyfused-tp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=False),
+        "pyfused-tp+sp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=True),
+    }
+    times: Dict[str, float] = {}
+    ref_loss = None
+    for name, make in makers.items():
+        model = make(copy.deepcopy(full))
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            return out.loss
+
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss.detach().float().reshape(1)
+        if ref_loss is None:
+            ref_loss = loss
+        agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {size.label}", ctx)
+        times[name] = time_fn(step, ctx)
+        del model, opt
+    rows = []
+    flop = flop_per_rank(size, ctx.world)
+    for name, ms in times.items():
+        rows.append(op_row(
+            ctx, shape=size.label, dtype=ctx.dtype, method=name, transport=ctx.transport, ms=ms,
+            flop=flop, t_baseline=times["torch-tp"],
+            note=f"{size.batch * size.seq / (ms * 1e-3):.0f} tokens/s",
+            tokens_per_s=size.batch * size.seq / (ms * 1e-3),
+            speedup_vs_torch_tp=speedup(times["torch-tp"], ms), tp=ctx.world,
+            sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
+    return rows
