@@ -99,6 +99,28 @@ def test_autocast_bf16_matches_torch_ddp(ranks, shard):
               autocast=torch.bfloat16, ours=dict(shard_optimizer=shard), timeout=TIMEOUT)
 
 
+def _launch_timeline(rank, world, shard):
+    """Buckets start reducing during backward, in order, as soon as their gradients are ready."""
+    from pyfused.layers import DistributedDataParallel
+
+    m = DistributedDataParallel(H.build("mlp", 0), bucket_cap_mb=0.0001, shard_optimizer=shard)
+    red = m.reducer
+    seen = []
+    red.on_bucket_launched = lambda b: seen.append((b.index, sum(red.ready), red.in_backward))
+    H.loss_of("mlp", m, H.batch("mlp", 0, 0, rank)).backward()
+    n = len(red.params)
+    assert [i for i, _, _ in seen] == list(range(len(red.buckets))) and len(seen) > 2, seen
+    # the first bucket (the last layer's bias) went out while most gradients were still to come
+    assert seen[0][1] <= 2 and seen[0][2], seen
+    assert seen[-1][1] == n
+    return True
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["allreduce", "reduce-scatter"])
+def test_buckets_launch_during_backward_in_order(ranks, shard):
+    assert all(ranks.run(2, _launch_timeline, shard, timeout=TIMEOUT))
+
+
 # ----------------------------------------------------------------------------- unused parameters
 
 def _unused_matches_torch(rank, world, shard):
@@ -207,14 +229,16 @@ def _build_mismatched(rank, world, variant):
 
     from pyfused.layers import DistributedDataParallel
 
+    from tests.utils import test_device as device_of_ranks
+
     model = H.build("mlp", 0)
     opts = {}
     if rank == world - 1:
         if variant == "shape":
-            model.fc2 = nn.Linear(37, 30)
-            model.fc3 = nn.Linear(30, 5)
+            model.fc2 = nn.Linear(37, 30).to(device_of_ranks())
+            model.fc3 = nn.Linear(30, 5).to(device_of_ranks())
         elif variant == "count":
-            model.extra = nn.Linear(5, 5)
+            model.extra = nn.Linear(5, 5).to(device_of_ranks())
         elif variant == "option":
             opts = dict(bucket_cap_mb=1)
         elif variant == "dtype":

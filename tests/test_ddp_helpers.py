@@ -3,6 +3,10 @@
 Every rank builds its model from ``seed + rank`` (different on purpose: DDP must broadcast rank 0's
 parameters and buffers) and draws its batch of step ``s`` from ``(seed, s, rank)``, so any rank can
 also build every other rank's batch and train the single-process full-batch reference.
+
+Models and batches live on ``tests.utils.device_of_ranks()``: the CPU with gloo ranks, the GPU when the
+pool runs NCCL (``PYFUSED_TEST_BACKEND=nccl``), so the same tests check the CUDA path (comm stream,
+Triton bucket kernel) in a session with a GPU. TF32 is turned off there: the references are fp32.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from tests.utils import assert_close
+from tests.utils import test_device as device_of_ranks
 
 VOCAB, T_MAX = 23, 7
 
@@ -77,24 +82,31 @@ class Branchy(nn.Module):
 
 
 def build(kind: str, seed: int) -> nn.Module:
+    dev = device_of_ranks()
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
     return {"mlp": MLP, "cnn": CNN, "cnn_gn": lambda: CNN("group"), "lstm": Recurrent,
-            "gru": lambda: Recurrent("gru"), "branchy": Branchy}[kind]()
+            "gru": lambda: Recurrent("gru"), "branchy": Branchy}[kind]().to(dev)
 
 
 def batch(kind: str, seed: int, step: int, rank: int, micro: int = 0):
     g = torch.Generator().manual_seed(10_000 * seed + 100 * step + 10 * micro + rank)
+    dev = device_of_ranks()
     if kind == "mlp":
-        return (torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g))
-    if kind in ("cnn", "cnn_gn"):
-        return (torch.randn(4, 3, 9, 9, generator=g), torch.randint(0, 4, (4,), generator=g))
-    if kind in ("lstm", "gru"):
-        lengths = torch.randint(1, T_MAX + 1, (5,), generator=g)
+        out = (torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g))
+    elif kind in ("cnn", "cnn_gn"):
+        out = (torch.randn(4, 3, 9, 9, generator=g), torch.randint(0, 4, (4,), generator=g))
+    elif kind in ("lstm", "gru"):
+        lengths = torch.randint(1, T_MAX + 1, (5,), generator=g)  # stays on the CPU (pack_padded)
         tokens = torch.randint(0, VOCAB, (5, T_MAX), generator=g)
-        return (tokens, lengths, torch.randint(0, 3, (5,), generator=g))
-    if kind == "branchy":
-        return (torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g))
-    raise ValueError(kind)
+        return (tokens.to(dev), lengths, torch.randint(0, 3, (5,), generator=g).to(dev))
+    elif kind == "branchy":
+        out = (torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g))
+    else:
+        raise ValueError(kind)
+    return tuple(t.to(dev) for t in out)
 
 
 def full_batch(kind, seed, step, world, micro=0):
@@ -139,7 +151,7 @@ def train_step(kind, model, opt, micro_batches: List, *, ddp: bool, clip=None, a
     opt.zero_grad(set_to_none=set_to_none)
     for k, data in enumerate(micro_batches):
         sync = contextlib.nullcontext() if not ddp or k == len(micro_batches) - 1 else model.no_sync()
-        amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
+        amp = (torch.autocast(device_of_ranks().type, dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
         with sync:
             with amp:
@@ -212,7 +224,7 @@ def compare_training(rank, world, kind, *, opt="sgd", steps=3, micro=1, seed=1, 
 
 def group_still_in_step(world) -> bool:
     """After an error, the group must still work: one all-reduce, the same result everywhere."""
-    t = torch.ones(1)
+    t = torch.ones(1, device=device_of_ranks())
     dist.all_reduce(t)
     return int(t.item()) == world
 

@@ -116,3 +116,35 @@ def test_sharded_padding_gives_equal_aligned_shards(world):
         assert b.padded - b.numel < world * 16 // elem + world
         offs = [s.offset for s in b.slots]
         assert offs == sorted(offs) and b.slots[-1].offset + b.slots[-1].numel == b.numel
+
+
+# ----------------------------------------------------------------------------- kernel inside DDP
+
+def _ddp_with_interpreted_kernel(rank, world, comm_dtype, shard):
+    from pyfused.layers import DistributedDataParallel
+    from tests import test_ddp_helpers as H
+
+    bucket_copy.set_kernel_mode("interpret")
+    try:
+        probe = DistributedDataParallel(H.build("mlp", 0), bucket_cap_mb=0.002)
+        assert probe.reducer._use_kernel and all("plan" in b.extra for b in probe.reducer.buckets)
+        # bf16 communication: SGD (AdamW would turn bf16 rounding of near-zero gradients into
+        # whole-lr steps), against torch's bf16 compression hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        theirs = dict(comm_hook=bf16_compress_hook) if comm_dtype else {}
+        H.compare_training(rank, world, "mlp", opt="sgd" if comm_dtype else "adamw", steps=2,
+                           full=False, tol=comm_dtype or torch.float32, theirs=theirs,
+                           ours=dict(comm_dtype=comm_dtype, shard_optimizer=shard,
+                                     bucket_cap_mb=0.002))
+    finally:
+        bucket_copy.set_kernel_mode("auto")
+    return True
+
+
+@pytest.mark.parametrize("comm_dtype,shard", [(None, False), (torch.bfloat16, False),
+                                              (None, True)], ids=["fp32", "bf16", "sharded"])
+def test_ddp_runs_the_kernel_in_the_interpreter(ranks, comm_dtype, shard):
+    """The reducer's flatten / unflatten through the Triton kernel (interpreted on CPU) trains like
+    torch DDP: the kernel's addressing is exercised end to end, not only in isolation."""
+    assert all(ranks.run(3, _ddp_with_interpreted_kernel, comm_dtype, shard, timeout=120))

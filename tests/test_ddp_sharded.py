@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests import test_ddp_helpers as H
+from tests.utils import test_device as device_of_ranks
 
 TIMEOUT = 60
 SHARD = dict(shard_optimizer=True, bucket_cap_mb=0.002)
@@ -50,13 +51,13 @@ def _state_bytes(rank, world):
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(97, 211), nn.ReLU(), nn.Linear(211, 97), nn.ReLU(),
-                             nn.Linear(97, 5))
+                             nn.Linear(97, 5)).to(device_of_ranks())
 
     out = {}
     for shard in (False, True):
         m = DistributedDataParallel(model(), shard_optimizer=shard, bucket_cap_mb=0.05)
         opt = m.wrap_optimizer(torch.optim.AdamW(m.parameters(), lr=1e-3))
-        m(torch.randn(3, 97)).sum().backward()
+        m(torch.randn(3, 97, device=device_of_ranks())).sum().backward()
         opt.step()
         out[shard] = optimizer_state_bytes(opt)
     numel = sum(p.numel() for p in model().parameters())
@@ -126,7 +127,7 @@ def _step_then_read(rank, world):
     opt.step()
     after = m.state_dict()  # waits for the gathers
     assert all(not torch.equal(before[k], after[k]) for k in before), "some parameter did not move"
-    gathered = [torch.empty(world * v.numel()) for v in after.values()]
+    gathered = [v.new_empty(world * v.numel()) for v in after.values()]
     for g, v in zip(gathered, after.values()):
         torch.distributed.all_gather_into_tensor(g, v.reshape(-1).contiguous())
         parts = g.view(world, -1)
@@ -145,7 +146,8 @@ def _wrap_errors(rank, world, case):
     if case == "adafactor":
         opt = torch.optim.Adafactor(m.parameters())
     elif case == "foreign":
-        opt = torch.optim.SGD(list(m.parameters()) + [torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        stranger = torch.nn.Parameter(torch.ones(2, device=device_of_ranks()))
+        opt = torch.optim.SGD(list(m.parameters()) + [stranger], lr=0.1)
     elif case == "one-rank-lbfgs":
         params = m.parameters()
         opt = (torch.optim.LBFGS(params) if rank == 1 else torch.optim.SGD(params, lr=0.1))
@@ -166,3 +168,47 @@ def test_wrap_optimizer_errors_on_every_rank(ranks, case, expect):
     assert expect in errs[0]["msg"], errs[0]["msg"]
     if case == "one-rank-lbfgs":
         assert errs[0]["msg"].endswith("(rank 1)"), errs[0]["msg"]
+
+
+def _fp16_scaler(rank, world):
+    """fp16 autocast + loss scaling: sharded pyfused with torch's ShardedGradScaler == torch DDP with
+    GradScaler, including a step where an overflow lands in one rank's shard only (every rank must
+    skip that step, so found_inf has to be agreed across the group)."""
+    import copy
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyfused.layers import DistributedDataParallel
+    from tests.utils import assert_close
+
+    base = H.build("mlp", 9)
+    ref = TorchDDP(copy.deepcopy(base))
+    mine = DistributedDataParallel(copy.deepcopy(base), **SHARD)
+    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2),
+            mine.wrap_optimizer(torch.optim.AdamW(mine.parameters(), lr=1e-2))]
+    dev = device_of_ranks().type
+    scalers = [torch.amp.GradScaler(dev, init_scale=1024.0),
+               ShardedGradScaler(dev, init_scale=1024.0, process_group=torch.distributed.group.WORLD)]
+    for s in range(4):
+        x, y = H.batch("mlp", 9, s, rank)
+        for m, opt, scaler in zip((ref, mine), opts, scalers):
+            opt.zero_grad()
+            with torch.autocast(dev, dtype=torch.float16):
+                out = m(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            if s == 2 and rank == 1:  # overflows one element of fc3.bias's gradient only
+                loss = loss + 1e38 * m.module.fc3.bias[0]
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), s
+    assert scalers[0].get_scale() < 1024.0  # the overflow step was skipped
+    mine.synchronize_params()
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert_close(q, p, torch.float32, f"fp16-scaled parameter {n}")
+    return True
+
+
+def test_fp16_grad_scaler_sharded(ranks):
+    assert all(ranks.run(2, _fp16_scaler, timeout=TIMEOUT))

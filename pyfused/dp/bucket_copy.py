@@ -5,7 +5,8 @@ scale`` (cast to ``flat``'s dtype) for the bucket's segments, which lie back to 
 ``unflatten_scale(flat, dsts, scale, plan)`` is the reverse. On CUDA each is one launch of
 ``kernels/bucket.py``'s ``segment_copy_scale_kernel``; on CPU (and wherever the kernel cannot run,
 which is logged) the torch reference below runs: one multiply (flatten) or one ``copy_``
-(unflatten) per segment, each a single pass over its data. The references are what the kernel is tested against (tests/test_ddp_kernels.py).
+(unflatten) per segment, each a single pass over its data. The references are what the kernel is
+tested against (tests/test_ddp_kernels.py).
 """
 from __future__ import annotations
 
@@ -17,9 +18,20 @@ from torch import Tensor
 
 from .._logging import logger
 
-# PYFUSED_DDP_KERNEL=0 turns the Triton bucket copies off on CUDA (torch path instead); logged.
-_KERNEL_ENABLED = os.environ.get("PYFUSED_DDP_KERNEL", "1").strip().lower() not in ("0", "false", "off")
+# PYFUSED_DDP_KERNEL: "auto" (default; the kernel on CUDA), "off" (torch path everywhere; logged),
+# "interpret" (also on CPU tensors, through the Triton interpreter: for tests, slow).
+_MODES = {"1": "auto", "auto": "auto", "0": "off", "off": "off", "false": "off",
+          "interpret": "interpret"}
+_mode = _MODES.get(os.environ.get("PYFUSED_DDP_KERNEL", "auto").strip().lower(), "auto")
 _warned = set()
+
+
+def set_kernel_mode(mode: str) -> None:
+    """"auto", "off" or "interpret" (see PYFUSED_DDP_KERNEL); affects modules built afterwards."""
+    global _mode
+    if mode not in ("auto", "off", "interpret"):
+        raise ValueError(f"kernel mode must be auto, off or interpret; got {mode!r}")
+    _mode = mode
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -31,17 +43,17 @@ def _tl_dtype(dtype: torch.dtype):
 
 def kernel_available(device: torch.device, dtypes: Sequence[torch.dtype]) -> Tuple[bool, str]:
     """Whether the bucket kernel serves these tensors, and if not, why (for the log)."""
-    if device.type != "cuda":
+    if _mode == "off":
+        return False, "PYFUSED_DDP_KERNEL=off"
+    if device.type != "cuda" and not (_mode == "interpret" and device.type == "cpu"):
         return False, f"tensors on {device.type} take the torch path"
-    if not _KERNEL_ENABLED:
-        return False, "PYFUSED_DDP_KERNEL=0"
     if any(d not in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for d in dtypes):
         return False, f"dtypes {dtypes} are not handled by the kernel"
     try:
         from ..kernels import bucket  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "no kernel"; say which
         return False, f"kernels/bucket.py could not be imported ({type(e).__name__}: {e})"
-    return True, ""
+    return True, "interpret" if device.type == "cpu" else ""
 
 
 class CopyPlan:
@@ -90,14 +102,16 @@ def _to_device(values: Sequence[int], device: torch.device, dtype=torch.int64) -
     return host
 
 
-def _launch(plan: CopyPlan, src_addrs: List[int], dst_addrs: List[int], src_dtype, dst_dtype,
-            scale: float) -> None:
+def _launch(plan: CopyPlan, role: str, src_addrs: List[int], dst_addrs: List[int], src_dtype,
+            dst_dtype, scale: float) -> None:
     from ..kernels.bucket import segment_copy_scale_kernel
 
     if plan.num_blocks == 0:
         return
-    src_t = plan.table("src", src_addrs)
-    dst_t = plan.table("dst", dst_addrs)
+    # One cache entry per (direction, side): flatten runs on the comm stream and unflatten on the
+    # compute stream, so each table is only ever allocated and read on one stream.
+    src_t = plan.table(role + ".src", src_addrs)
+    dst_t = plan.table(role + ".dst", dst_addrs)
     segment_copy_scale_kernel[(plan.num_blocks,)](
         src_t, dst_t, plan.numel_t, plan.blk_seg, plan.blk_start, float(scale),
         SRC_T=_tl_dtype(src_dtype), DST_T=_tl_dtype(dst_dtype), BLOCK=plan.config.block,
@@ -114,8 +128,8 @@ def flatten_scale(srcs: Sequence[Tensor], flat: Tensor, scale: float,
     if plan is not None and _contiguous_all(srcs):
         es = flat.element_size()
         base = flat.data_ptr()
-        _launch(plan, [s.data_ptr() for s in srcs], [base + o * es for o in plan.offsets],
-                srcs[0].dtype, flat.dtype, scale)
+        _launch(plan, "flatten", [s.data_ptr() for s in srcs],
+                [base + o * es for o in plan.offsets], srcs[0].dtype, flat.dtype, scale)
         return
     if plan is not None:
         _log_once("non-contiguous gradient", "pyfused DDP: a gradient is not contiguous; its bucket "
@@ -129,8 +143,8 @@ def unflatten_scale(flat: Tensor, dsts: Sequence[Tensor], scale: float = 1.0,
     if plan is not None and _contiguous_all(dsts):
         es = flat.element_size()
         base = flat.data_ptr()
-        _launch(plan, [base + o * es for o in plan.offsets], [d.data_ptr() for d in dsts],
-                flat.dtype, dsts[0].dtype, scale)
+        _launch(plan, "unflatten", [base + o * es for o in plan.offsets],
+                [d.data_ptr() for d in dsts], flat.dtype, dsts[0].dtype, scale)
         return
     if plan is not None:
         _log_once("non-contiguous dst", "pyfused DDP: a gradient is not contiguous; its bucket is "

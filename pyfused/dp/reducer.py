@@ -30,6 +30,7 @@ one tiny all-reduce per step and is skipped with ``pyfused.comm.set_validation(F
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -71,8 +72,10 @@ class Reducer:
         self.on_bucket_launched: Optional[Callable[[Bucket], None]] = None
         use_kernel, why = bucket_copy.kernel_available(device, [b.dtype for b in buckets])
         if not use_kernel:
-            logger.debug("pyfused DDP: bucket copies take the torch path (%s)", why)
+            level = logging.INFO if device.type == "cuda" else logging.DEBUG
+            logger.log(level, "pyfused DDP: bucket copies take the torch path (%s)", why)
         self._use_kernel = use_kernel
+        self._interpret = why == "interpret"
         self._allocate()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self.params)]
@@ -104,7 +107,8 @@ class Reducer:
                 b.extra["comm_buf"] = torch.zeros(b.padded, dtype=cdt, device=dev)
             if self._use_kernel:
                 b.extra["plan"] = bucket_copy.CopyPlan([s.numel for s in b.slots], dev,
-                                                       max(b.dtype.itemsize, cdt.itemsize))
+                                                       max(b.dtype.itemsize, cdt.itemsize),
+                                                       interpret=self._interpret)
 
     # ----------------------------------------------------------------------------- per iteration
     def _reset(self) -> None:
@@ -252,8 +256,20 @@ class Reducer:
             else:
                 b.work = dist.all_reduce(buf, group=self.pg, async_op=True)
         b.launched = True
+        if self.sharded:
+            self._reap()
         if self.on_bucket_launched is not None:
             self.on_bucket_launched(b)
+
+    def _reap(self) -> None:
+        """Drop the inputs of reduce-scatters that already finished (ZeRO-2: the flattened full
+        gradients are transient; without this they would all live until the end of backward).
+        ``is_completed`` does not block; ``wait`` on a finished work only orders streams."""
+        for b in self.buckets[:self.next_bucket + 1]:
+            if b.work is not None and b.work.is_completed():
+                b.work.wait()
+                b.work = None
+                b.comm_in = None
 
     # ----------------------------------------------------------------------------- finalize
     def _finalize(self) -> None:

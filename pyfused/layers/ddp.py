@@ -41,7 +41,8 @@ class DistributedDataParallel(nn.Module):
                  shard_optimizer: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"pyfused.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"pyfused.DistributedDataParallel wraps an nn.Module, "
+                            f"got {type(module).__name__}")
         if shard_optimizer and gradient_as_bucket_view:
             raise ValueError("pyfused.DistributedDataParallel: gradient_as_bucket_view=True has no "
                              "meaning with shard_optimizer=True (full gradients are released once "
