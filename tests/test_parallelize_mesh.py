@@ -70,3 +70,10 @@ def test_pipeline_x_tensor_parallel(ranks, family):
     # gpt2 ties its LM head to the embedding: the two copies live on different stages
     assert all(ranks.run(4, _mesh_matches, family, (2, 2), ("pp", "tp"), True,
                          {"n_microbatches": 2}, timeout=240))
+
+
+def test_data_parallel_x_pipeline(ranks):
+    # DDP inside a pipeline stage reduces once, on the last microbatch's backward (gpt2: the tied
+    # LM head's gradient is then also summed across the two stages)
+    assert all(ranks.run(4, _mesh_matches, "gpt2", (2, 2), ("dp", "pp"), True,
+                         {"n_microbatches": 2}, timeout=240))

@@ -241,10 +241,12 @@ class _DataParallelStage(nn.Module):
         self.count = 0
 
     def forward(self, *inputs):
+        if not torch.is_grad_enabled():  # eval steps and the schedule's shape pass: nothing to reduce
+            return self.ddp.module(*inputs)
         self.count += 1
         with self.ddp.no_sync():
             out = self.ddp(*inputs)
-        if self.count == self.n_microbatches and torch.is_grad_enabled() and out.requires_grad:
+        if self.count == self.n_microbatches:
             out = _SyncLastBackward.apply(out, self.ddp)
         return out
 
