@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=0, help="pipeline microbatches (default pp)")
     p.add_argument("--steps", type=int, default=50, help="train until this step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="synthetic", help="'synthetic' or a text file (bytes)")
     p.add_argument("--log-every", type=int, default=5)
@@ -173,7 +174,7 @@ def main(argv=None):
     step = load_checkpoint(args, pm, opt, rank, mesh_sizes) if args.resume else 0
     if rank == 0:
         print(f"mesh dp={dp} x pp={args.pp} x tp={args.tp} (world {world}, {dist.get_backend()} on "
-              f"{device.type}), sequence_parallel={not args.no_sp}; {args.model} with "
+              f"{device.type}), sequence_parallel={not args.no_sp and args.tp > 1}; {args.model} with "
               f"{n_params / 1e6:.2f}M parameters, batch {args.batch} x {args.seq}; "
               f"{'resumed at' if args.resume else 'starting at'} step {step}", flush=True)
     dp_group = mesh.get_group("dp")
@@ -186,6 +187,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         out = pm(input_ids=ids, labels=labels)
         pm.backward(out.loss)  # loss.backward(); with pp > 1 the call already ran the backward
+        grad_norm = pm.clip_grad_norm_(args.clip) if args.clip > 0 else None  # the full model's norm
         opt.step()
         loss = out.loss.detach().float().clone()
         dist.all_reduce(loss, group=dp_group)  # also waits for this step on every dp rank
@@ -193,7 +195,8 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         tokens_per_s = args.batch * args.seq / dt
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            print(f"step {step:5d} | loss {loss:.4f} | {tokens_per_s:9.0f} tokens/s | "
+            norm = f" | grad norm {grad_norm.item():.3f}" if grad_norm is not None else ""
+            print(f"step {step:5d} | loss {loss:.4f}{norm} | {tokens_per_s:9.0f} tokens/s | "
                   f"{dt * 1e3:7.1f} ms/step", flush=True)
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")

@@ -97,6 +97,12 @@ def _bad_mesh_and_input(rank, world):
         pm(input_ids=torch.full((BATCH, 12), VOCAB, dtype=torch.long))
     except IndexError as e:
         out.append(str(e))
+    # outputs TP / SP cannot give in the original's layout
+    for flag in ("output_attentions", "output_hidden_states"):
+        try:
+            pm(input_ids=torch.zeros(BATCH, 12, dtype=torch.long), **{flag: True})
+        except ValueError as e:
+            out.append(str(e))
     # the group is still usable: a correct call goes through on every rank
     pm(input_ids=torch.zeros(BATCH, 12, dtype=torch.long))
     return out
@@ -104,7 +110,9 @@ def _bad_mesh_and_input(rank, world):
 
 def test_bad_mesh_and_inputs(ranks):
     got = ranks.run(4, _bad_mesh_and_input, timeout=120)
-    assert all(g == got[0] for g in got) and len(got[0]) == 3, got
+    assert all(g == got[0] for g in got) and len(got[0]) == 5, got
     assert "mesh dims must be distinct names among" in got[0][0]
     assert "sequence length 10 is not divisible by the tensor-parallel size 4" in got[0][1]
     assert "token ids must lie in [0, 100)" in got[0][2]
+    assert "output_attentions is not supported with tensor parallelism" in got[0][3]
+    assert "output_hidden_states is not supported with sequence parallelism" in got[0][4]

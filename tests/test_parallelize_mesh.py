@@ -53,6 +53,12 @@ def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
     assert list(grads) == list(ref_grads), tag
     for name, gr in grads.items():
         assert_close(gr, ref_grads[name], name=f"grad {name} {tag}")
+    # clipping sees the full model's norm (shards summed, replicas and the tied head counted once)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert_close(pm.clip_grad_norm_(0.05), ref_norm, name=f"grad norm {tag}")
+    clipped = pm.full_grad_dict()
+    for name, p in ref.named_parameters():
+        assert_close(clipped[name], p.grad, name=f"clipped grad {name} {tag}")
     full_sd, orig = pm.full_state_dict(), ref.state_dict()
     assert list(full_sd) == list(orig), tag
     for k in orig:

@@ -204,6 +204,19 @@ class ParallelModel(nn.Module):
         return self._runner(*args, **kwargs)
 
     def _check_sequence(self, args, kwargs) -> None:
+        config = getattr(self.module, "config", None)
+
+        def wanted(flag):
+            v = kwargs.get(flag)
+            return bool(getattr(config, flag, False) if v is None else v)
+
+        if self._tp.world > 1 and wanted("output_attentions"):
+            raise ValueError("pyfused.parallelize: output_attentions is not supported with tensor "
+                             "parallelism (each rank holds only its heads' attention weights)")
+        if self._tp.sp and wanted("output_hidden_states"):
+            raise ValueError("pyfused.parallelize: output_hidden_states is not supported with "
+                             "sequence parallelism (the blocks' outputs are sequence shards); "
+                             "parallelize with sequence_parallel=False")
         if not self._tp.sp:
             return
         x = kwargs.get("input_ids", args[0] if args else None)
@@ -245,6 +258,42 @@ class ParallelModel(nn.Module):
             merged = self._stage.gather_stages(local)
             return {k: merged[k] for k in self._stage.param_names}
         return local
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the full model: the norm of all gradients as the
+        single-process model would have them (TP shards summed over the tp group, replicated ones
+        counted once, pipeline stages summed, a tied LM head counted once), the same on every rank;
+        then every local gradient is scaled. A collective over the tp and pp groups: call it on every
+        rank. ``norm_type``: 2.0 or inf."""
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        skip = self._stage.duplicate_params() if self._stage is not None else set()
+        device = grads[0].device if grads else torch.device("cpu")
+        inf = norm_type == float("inf")
+        parts = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, replicated]
+        for name, p in self.module.named_parameters():
+            if p.grad is None or id(p) in skip:
+                continue
+            g = p.grad.detach().double()
+            v = g.abs().max() if inf else g.pow(2).sum()
+            i = 0 if self._spec_of(name, p).dim is not None and self._tp.world > 1 else 1
+            parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if self._tp.world > 1:
+            dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
+        total = parts.max() if inf else parts.sum()
+        if self._stage is not None:
+            dist.all_reduce(total, op=op, group=self._stage.pg)
+        norm = total if inf else total.sqrt()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {norm.item()}")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm.float()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` -- except with pipeline parallelism, where the call that returned the

@@ -411,6 +411,18 @@ class PipelinedModel:
         if w is not None:
             w.grad = g
 
+    def duplicate_params(self) -> set:
+        """ids of this stage's parameters that another stage owns as well: the tied LM head on the
+        last stage (the embedding on the first counts), and copies of 'replicate' modules that
+        only the first stage trains."""
+        dup = set()
+        if self.tied is not None and self.is_last:
+            dup.add(id(self.top.get_submodule(self.tied[1]).weight))
+        if not self.is_first:
+            owned = {id(p) for p in self.submodule.parameters()}
+            dup |= {id(p) for p in self.top.parameters() if id(p) not in owned}
+        return dup
+
     # ---- state -----------------------------------------------------------------------------------
     def gather_stages(self, local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         parts: List[Optional[dict]] = [None] * self.pp
