@@ -95,6 +95,16 @@ def flop_per_rank(size: Size, world: int) -> float:
     return (6 * gemm_params * tokens + 6 * 2 * s * h * L * tokens) / world
 
 
+def training_step(model, opt, ids):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        return out.loss
+    return step
+
+
 def run(ctx) -> List[Dict]:
     import pyfused
     from torch.distributed.device_mesh import DeviceMesh
@@ -115,20 +125,12 @@ def run(ctx) -> List[Dict]:
         model = make(copy.deepcopy(full))
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            opt.step()
-            return out.loss
-
         with torch.no_grad():
             loss = model(input_ids=ids, labels=ids).loss.detach().float().reshape(1)
         if ref_loss is None:
             ref_loss = loss
         agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {size.label}", ctx)
-        times[name] = time_fn(step, ctx)
+        times[name] = time_fn(training_step(model, opt, ids), ctx)
         del model, opt
     rows = []
     flop = flop_per_rank(size, ctx.world)
