@@ -37,8 +37,9 @@ def method_code(method: str) -> int:
     return METHODS.index(method)
 
 
-def fused_status(op: str, device_type: str) -> Tuple[bool, str]:
-    """Whether this rank can run ``op`` with ``method="fused"``, and if not, why."""
+def fused_status(op: str, device_type: str, dtype: Optional[torch.dtype] = None,
+                 pg=None) -> Tuple[bool, str]:
+    """Whether this rank can run ``op`` with ``method="fused"`` (no collective), and if not, why."""
     if device_type != "cuda":
         return False, (f"inputs are on {device_type}: the fused method needs CUDA tensors on GPUs "
                        f"with peer access (symmetric memory)")
@@ -48,7 +49,22 @@ def fused_status(op: str, device_type: str) -> Tuple[bool, str]:
         return False, f"the CUDA extension pyfused._C is not available ({_ext.load_error()})"
     from . import _fused
 
-    return _fused.status(op)
+    return _fused.status(op, dtype, pg)
+
+
+def confirm_fused(op: str, pg, device: torch.device, method: str) -> Tuple[bool, str]:
+    """Once every rank agreed on the fused method: can this group map symmetric buffers? A
+    collective (``_fused.ensure_group``, cached per group) with the same answer on every rank.
+    ``method="fused"`` raises ``MethodUnavailable`` with the reason; ``auto`` logs it and the caller
+    takes the decomposed method."""
+    from . import _fused
+
+    ok, why = _fused.ensure_group(pg, device)
+    if not ok and method == "fused":
+        raise MethodUnavailable(f"pyfused.{op}: method='fused' is not available here because {why}")
+    if not ok:
+        logger.warning("pyfused.%s: method=auto chose fused, but %s; using decomposed", op, why)
+    return ok, why
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,7 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, group, method: str,
         raise TypeError(f"pyfused.{op}: a and b must be tensors")
     pg = comm.resolve_group(group)
     world = comm.world_size(pg)
-    fused_ok, fused_why = fused_status(op, a.device.type)
+    fused_ok, fused_why = fused_status(op, a.device.type, a.dtype, pg)
     pref = auto_preference(op, pg, a, b, fused_ok) if method == "auto" else Choice(method, 0, "requested")
     sig = comm.Signature(
         comm.op_code(op),
@@ -147,12 +163,18 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, group, method: str,
         raise MethodUnavailable(f"pyfused.{op}: method='fused' is not available here because {fused_why}"
                                 + (f" (ranks without it: {missing})" if len(sigs) > 1 else ""))
     if method != "auto":
+        if method == "fused":
+            confirm_fused(op, pg, a.device, method)
         return pg, Choice(method, 0, "requested")
     chosen = METHODS[sigs[0].ints[1]]
     chunks = sigs[0].ints[2]
     reason = pref.reason if comm.rank(pg) == 0 else "rank 0's choice"
     if chosen == "fused" and not fused_everywhere:
         chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
+    elif chosen == "fused":
+        ok, why = confirm_fused(op, pg, a.device, method)
+        if not ok:
+            chosen, reason = "decomposed", why
     choice = Choice(chosen, chunks, reason)
     logger.debug("pyfused.%s: method=auto chose %s (%s) for a=%s b=%s dtype=%s world=%d",
                  op, choice.method, choice.reason, tuple(a.shape), tuple(b.shape), a.dtype, world)

@@ -1,20 +1,119 @@
-"""Registry of the fused (symmetric-memory) implementations of the ops.
+"""Registry of the fused (symmetric-memory) implementations of the ops, behind capability probes.
 
-An op is listed here once its fused kernels exist; until then ``status`` says so, and
-``method="fused"`` raises ``MethodUnavailable`` with that reason on every rank.
+``IMPLS`` is filled (from ``pyfused.fused``) only once ``local_probe`` has passed in this process:
+CUDA is usable, pyfused._C is loaded and has the symmetric-memory kernels, the GPU is sm_80 or newer,
+Triton compiles for it (not the interpreter), and a symmetric-memory backend serves the device.
+``status(op, dtype)`` is that probe plus "this op has a fused kernel for this dtype"; it needs no
+collective and is what every rank puts into the validation exchange (``_common.prepare``).
+
+Whether the *group* can map its buffers (same host, peer access, the rendezvous working, at most
+MAX_WORLD ranks) is a collective question: ``ensure_group`` answers it once per (group, device), on
+every rank at the same point (after the ranks agreed to run fused), by setting up the smallest
+symmetric buffer; the answer is the same on every rank (pyfused/comm/symmetric.py agrees on every
+failure), and it is cached, so a group that failed reports the same reason on later calls.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
 
 IMPLS: Dict[str, Callable] = {}
+FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+             "all_reduce_add_rmsnorm")
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_CAPABILITY = (8, 0)
+
+_local: Optional[Tuple[bool, str]] = None
+_groups: Dict[Tuple[str, str], Tuple[bool, str]] = {}
 
 
-def status(op: str) -> Tuple[bool, str]:
-    if op in IMPLS:
-        return True, ""
-    return False, (f"this build of pyfused has no fused kernel for {op} yet "
-                   f"(use method='decomposed' for the overlapped NCCL schedule)")
+def _probe() -> Tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to torch"
+    from .. import _ext
+
+    if _ext.load() is None:
+        return False, f"the CUDA extension pyfused._C is not available ({_ext.load_error()})"
+    if not hasattr(torch.ops.pyfused, "all_reduce_rows"):
+        return False, ("pyfused._C was built without the symmetric-memory kernels (csrc/allreduce*.cpp/.cu); "
+                       f"rebuild with `{_ext.REBUILD_HINT}`")
+    cap = torch.cuda.get_device_capability()
+    if cap < MIN_CAPABILITY:
+        return False, f"the GPU is sm_{cap[0]}{cap[1]}; the fused kernels need sm_80 or newer"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False, "TRITON_INTERPRET is set: the fused GEMMs need Triton compiling for the GPU"
+    try:
+        import triton
+    except ImportError as e:
+        return False, f"Triton is not importable ({e})"
+    from ..comm.symmetric import check_layout, symmetric_status
+
+    ok, why = symmetric_status(torch.device("cuda", torch.cuda.current_device()))
+    if not ok:
+        return False, f"symmetric memory is unavailable: {why}"
+    try:
+        check_layout()
+    except RuntimeError as e:
+        return False, str(e)
+    return True, ""
+
+
+def local_probe() -> Tuple[bool, str]:
+    """(ok, reason) for this process, probed once; on success the implementations are registered."""
+    global _local
+    if _local is None:
+        _local = _probe()
+        if _local[0]:
+            from .. import fused
+
+            fused.register_all(IMPLS)
+    return _local
+
+
+def status(op: str, dtype: Optional[torch.dtype] = None, pg=None) -> Tuple[bool, str]:
+    """Whether ``op`` can run fused in this process (no collective), and if not, why."""
+    if op not in FUSED_OPS:
+        return False, f"pyfused has no fused kernel for {op}"
+    ok, why = local_probe()
+    if not ok:
+        return False, why
+    if op not in IMPLS:
+        return False, f"this build of pyfused has no fused kernel for {op}"
+    if dtype is not None and dtype not in FUSED_DTYPES:
+        return False, f"the fused kernels serve float32, float16 and bfloat16, not {dtype}"
+    if pg is not None:
+        cached = _groups.get(_group_key(pg, None))
+        if cached is not None and not cached[0]:
+            return cached
+    return True, ""
+
+
+def _group_key(pg, device) -> Tuple[str, str]:
+    from ..comm import group_name
+
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return group_name(pg), str(torch.device(dev))
+
+
+def ensure_group(pg, device, backend: Optional[str] = None) -> Tuple[bool, str]:
+    """Collective: can ``pg`` map symmetric buffers on ``device``? Cached per (group, device).
+    Every rank of ``pg`` must call it at the same point; all get the same answer."""
+    key = _group_key(pg, device)
+    if key not in _groups:
+        from ..comm.symmetric import (
+            MIN_SIZE_CLASS,
+            SymmetricBuffer,
+            SymmetricUnavailable,
+        )
+
+        try:
+            SymmetricBuffer.get(pg, MIN_SIZE_CLASS, device, backend)
+            _groups[key] = (True, "")
+        except SymmetricUnavailable as e:
+            _groups[key] = (False, f"this group cannot map symmetric buffers: {e}")
+    return _groups[key]
 
 
 def run(op: str, *args, **kwargs):

@@ -1,0 +1,49 @@
+"""Launch choices of the fused methods, as data (CONVENTIONS.md #6). Every value here is a pure
+function of what every rank agrees on (shapes, dtype, world size), so all ranks choose alike.
+
+The numbers are starting points that no GPU has measured yet (docs/PERF.md says how to measure
+them); a GPU session replaces them with measured crossovers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ONE_SHOT = 0
+TWO_SHOT = 1
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """One-shot (every rank reads all W buffers: W x the bytes, one barrier round) up to
+    ``one_shot_max_bytes`` of the reduced tensor, two-shot (reduce-scatter + all-gather through the
+    peers' buffers: 2x the bytes, two barrier rounds) above. The crossover falls as W grows, because
+    one-shot's reads grow with W."""
+
+    one_shot_max_bytes: int
+
+
+# By world size; the values follow the shape of the published custom all-reduce crossovers
+# (latency-bound below a few hundred KB on NVLink), not a measurement of ours.
+ALL_REDUCE_CONFIGS = {
+    1: AllReduceConfig(1 << 62),
+    2: AllReduceConfig(1 << 20),
+    3: AllReduceConfig(512 << 10),
+    4: AllReduceConfig(512 << 10),
+}
+DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(256 << 10)  # 5-8 ranks
+
+# SMs the persistent GEMM of GEMM + reduce-scatter leaves free for the one-thread relay kernels
+# (wait on a local tile counter, signal the owner's flag) that run beside it on the comm stream.
+RELAY_SMS = 2
+
+
+def all_reduce_algo(nbytes: int, world: int) -> int:
+    cfg = ALL_REDUCE_CONFIGS.get(world, DEFAULT_ALL_REDUCE_CONFIG)
+    return ONE_SHOT if nbytes <= cfg.one_shot_max_bytes else TWO_SHOT
+
+
+def timeout_ms() -> int:
+    """How long a device-side wait on a peer may take before the kernel traps (CUDA) or raises
+    (CPU models): ``PYFUSED_FUSED_TIMEOUT_MS``, default 60 s; 0 waits forever."""
+    return int(os.environ.get("PYFUSED_FUSED_TIMEOUT_MS", "60000"))

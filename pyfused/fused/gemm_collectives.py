@@ -1,0 +1,136 @@
+"""Fused all-gather + GEMM and GEMM + reduce-scatter over symmetric buffers.
+
+Both schedules start with an *entry barrier* (``pyfused::symm_barrier``, channel CHAN_ENTRY, on the
+compute stream): a rank arrives only after everything it queued earlier -- in particular its reads of
+its own buffer in the previous call -- so once the barrier is passed nobody still reads a buffer
+that this call is about to write into. Data flags then carry the call's epoch (one per chunk, in
+the owner's pad: ``SymmetricBuffer.flags``); waits are for ">= epoch", so nothing is reset.
+
+all-gather + GEMM (``fused_all_gather_matmul``), a: this rank's shard [m, K], out [W*m, N]
+  1. own shard -> own buffer rows [r*m, (r+1)*m) and own flag r (compute stream);
+  2. on the comm stream, for each peer q (r+1, r+2, ...): copy the shard into q's buffer rows
+     [r*m, (r+1)*m) -- a device-to-device copy into mapped peer memory, i.e. the copy engine -- then
+     ``signal_flag`` q's flag r (fence + release at system scope, after the copy in stream order);
+  3. the persistent Triton GEMM (kernels/gemm.py, WAIT mode) over the gathered buffer, chunk c = the
+     shard of rank c, in the order r, r+1, ...: local data first, each peer's chunk as soon as its
+     flag says it landed (acquire at system scope in the kernel).
+GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
+  1. the persistent GEMM with chunk c = the rows rank c owns, computed in the order r+1, r+2, ...,
+     r (own chunk last), SCATTER mode: chunk c is stored into slot r of rank c's buffer; SIGNAL mode
+     counts the stored tiles of each chunk in a local counter (release at system scope);
+  2. on the comm stream, beside the GEMM (which leaves ``config.RELAY_SMS`` SMs free), for each
+     chunk c in the same order: ``wait_flag`` until its counter is complete, then ``signal_flag``
+     flag r of rank c;
+  3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
+     slot on flag s (source s wrote it).
+
+CPU model (``backend="host-shm"``, Triton interpreter): the same buffers, copies, flags and kernels,
+but a CPU wait cannot block (the interpreter runs programs one after another), so a host barrier
+(channel CHAN_SYNC) after the data movement stands in for the in-kernel waits; the kernels still
+check every flag they would have waited on.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..comm import streams
+from ..comm.flags import signal_flag, wait_flag
+from ..comm.group import rank as group_rank
+from ..comm.group import resolve_group, world_size
+from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
+from ..ops.gemm import gemm, plan_gemm
+from ..ops.reduce import PointerTable, multi_source_reduce
+from . import config
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _barrier(buf: SymmetricBuffer, channel: int, epoch: int) -> None:
+    if buf.world > 1:
+        torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, buf.rank, channel, 0, epoch,
+                                       config.timeout_ms())
+
+
+def _table(buf: SymmetricBuffer, key, addrs: List[int], shape, dtype, device) -> PointerTable:
+    """A pointer table built once per buffer and layout (no host-to-device copy per call)."""
+    table = buf.extras.get(key)
+    if table is None:
+        table = buf.extras[key] = PointerTable.from_addresses(addrs, shape, (shape[1], 1), dtype, device)
+    return table
+
+
+def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
+                            backend: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(all_gather(a) @ b, a copy of all_gather(a) if keep_gathered else None); 2-D a [m, K]."""
+    pg = resolve_group(pg)
+    w, r = world_size(pg), group_rank(pg)
+    m, k = a.shape
+    dtype, device = a.dtype, a.device
+    buf = SymmetricBuffer.get(pg, w * m * k * _element_size(dtype), device, backend)
+    epoch = buf.next_epoch()
+    gathered = buf.local_view((w * m, k), dtype)
+    flags = buf.flags(count=w)
+    _barrier(buf, CHAN_ENTRY, epoch)
+    gathered[r * m:(r + 1) * m].copy_(a)
+    signal_flag(flags, r, epoch)
+    with streams.on_comm_stream(device) as stream:
+        for i in range(1, w):
+            q = (r + i) % w
+            buf.peer(q, (w * m, k), dtype)[r * m:(r + 1) * m].copy_(a)
+            signal_flag(buf.flags(q, count=w), r, epoch)
+    streams.keep_alive(a, stream)
+    if device.type != "cuda":
+        _barrier(buf, CHAN_SYNC, epoch)
+    order = [(r + i) % w for i in range(w)]
+    out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
+               flag_scope="sys")
+    streams.join_comm_stream(device)
+    return out, (gathered.clone() if keep_gathered else None)
+
+
+def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[str] = None) -> Tensor:
+    """This rank's [M/W, N] chunk of the sum over ranks of a @ b; 2-D a [M, K], M % W == 0."""
+    pg = resolve_group(pg)
+    w, r = world_size(pg), group_rank(pg)
+    big_m, k = a.shape
+    n = b.shape[1]
+    mc = big_m // w
+    dtype, device = a.dtype, a.device
+    slot = mc * n * _element_size(dtype)
+    buf = SymmetricBuffer.get(pg, w * slot, device, backend)
+    epoch = buf.next_epoch()
+    flags = buf.flags(count=w)
+    targets = _table(buf, ("rs-targets", mc, n, dtype),
+                     [buf.buffer_ptrs[c] + r * slot for c in range(w)], (mc, n), dtype, device)
+    sources = _table(buf, ("rs-sources", mc, n, dtype),
+                     [buf.buffer_ptrs[r] + s * slot for s in range(w)], (mc, n), dtype, device)
+    order = [(r + 1 + i) % w for i in range(w)]
+    _barrier(buf, CHAN_ENTRY, epoch)
+    if device.type == "cuda":
+        plan = plan_gemm(big_m, n, k, dtype, device, num_chunks=w)
+        counters = torch.zeros(w, dtype=torch.int32, device=device)
+        relay = streams.comm_stream(device)
+        relay.wait_stream(torch.cuda.current_stream(device))  # sees the barrier and the zeroed counters
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets, signal_counters=counters,
+             signal_scope="sys", num_programs=max(1, sms - config.RELAY_SMS))
+        with torch.cuda.stream(relay):
+            for c in order:
+                wait_flag(counters, c, plan.tiles_per_chunk, config.timeout_ms())
+                signal_flag(buf.flags(c, count=w), r, epoch)
+        streams.keep_alive(counters, relay)
+        streams.keep_alive(a, relay)
+    else:
+        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets)
+        for c in order:
+            signal_flag(buf.flags(c, count=w), r, epoch)
+        _barrier(buf, CHAN_SYNC, epoch)
+    out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
+                              flag_scope="sys")
+    streams.join_comm_stream(device)
+    return out

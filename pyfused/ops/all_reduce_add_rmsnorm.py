@@ -1,0 +1,271 @@
+"""``all_reduce_add_rmsnorm(x, residual, weight, eps) -> (normed, new_residual)`` -- the end of a
+tensor-parallel attention or MLP block: the row-parallel partial sums are all-reduced, added to the
+residual stream, and the sum is RMS-normalized for the next sub-layer:
+
+    new_residual = all_reduce(x) + residual
+    normed       = new_residual * rsqrt(mean(new_residual^2, dim=-1) + eps) * weight
+
+Shapes: ``x`` and ``residual`` are ``[..., H]`` (the same on every rank; the residual stream is
+replicated, as in Megatron's TP without sequence parallelism), ``weight`` is ``[H]``. Both outputs
+have x's shape and dtype. Math in fp32 (fp64 for fp64 inputs); the norm is taken over
+``new_residual`` rounded to x's dtype (what the next layer reads back), in every method, so the
+methods differ only in how the all-reduce rounds its partial sums.
+
+Methods
+  * unfused: ``all_reduce`` (NCCL / gloo, in x's dtype), then add + RMSNorm.
+  * decomposed: the rows are cut into ``chunks`` pieces whose all-reduces are all launched
+    asynchronously; as soon as piece i has arrived its add + RMSNorm runs, while pieces i+1, ... are
+    still being reduced.
+  * fused: one custom all-reduce kernel over symmetric buffers with the add + RMSNorm in its
+    epilogue (pyfused/fused/all_reduce.py), one-shot or two-shot by size. GPUs only.
+  * auto: a tuned entry (pyfused.tune) if there is one; otherwise unfused (the decomposed schedule
+    can only hide the epilogue, which is cheap next to the all-reduce).
+
+Autograd follows the tensor-parallel convention of ``matmul_all_reduce``: the outputs are
+replicated, so the gradient arriving on every rank is the same and flows back through the all-reduce
+as the identity. With h = new_residual, r = rsqrt(mean(h^2) + eps), xhat = h * r, g = grad(normed):
+    grad_h        = grad(new_residual) + r * (g*w - xhat * mean(g*w*xhat, dim=-1))
+    grad_x        = grad_residual = grad_h
+    grad_weight   = sum over rows of g * xhat
+No communication in the backward.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from .._logging import logger
+from . import _common, _fused
+
+OP = "all_reduce_add_rmsnorm"
+DEFAULT_CHUNKS = 4
+UNKNOWN_METHOD = len(_common.METHODS)
+
+
+def all_reduce_add_rmsnorm_ref(x_per_rank: Sequence[Tensor], residual: Tensor, weight: Tensor,
+                               eps: float = 1e-6) -> Tuple[Tensor, Tensor]:
+    """fp32 (fp64 for fp64 inputs) reference on one device: (normed, new_residual) of
+    h = sum_q x_q + residual."""
+    dt = torch.promote_types(x_per_rank[0].dtype, torch.float32)
+    h = sum(x.to(dt) for x in x_per_rank) + residual.to(dt)
+    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return h * rstd * weight.to(dt), h
+
+
+def add_rmsnorm_rows(reduced: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                     normed_out: Tensor, residual_out: Tensor) -> None:
+    """The epilogue on rows of an all-reduced ``reduced``: residual_out = reduced + residual and
+    normed_out = RMSNorm(residual_out) * weight, in fp32 (fp64 for fp64 inputs), the norm over the
+    rounded residual_out."""
+    dt = torch.promote_types(reduced.dtype, torch.float32)
+    residual_out.copy_(reduced.to(dt) + residual.to(dt))
+    h = residual_out.to(dt)
+    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed_out.copy_(h * rstd * weight.to(dt))
+
+
+def _unfused(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg) -> Tuple[Tensor, Tensor]:
+    reduced = x.clone(memory_format=torch.contiguous_format)
+    if comm.world_size(pg) > 1:
+        dist.all_reduce(reduced, group=pg)
+    normed, new_residual = torch.empty_like(reduced), torch.empty_like(reduced)
+    add_rmsnorm_rows(reduced, residual, weight, eps, normed, new_residual)
+    return normed, new_residual
+
+
+def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg,
+                                   chunks: int) -> Tuple[Tensor, Tensor]:
+    """The decomposed schedule on 2-D ``x``: every row piece's all-reduce in flight at once, each
+    piece's epilogue as soon as it has arrived."""
+    reduced = x.clone(memory_format=torch.contiguous_format)
+    normed, new_residual = torch.empty_like(reduced), torch.empty_like(reduced)
+    pieces = [p for p in zip(*(torch.tensor_split(t, chunks) for t in
+                               (reduced, residual, normed, new_residual))) if p[0].shape[0] > 0]
+    pending = [dist.all_reduce(p[0], group=pg, async_op=True) for p in pieces]
+    for work, (red, res, out, res_out) in zip(pending, pieces):
+        work.wait()
+        add_rmsnorm_rows(red, res, weight, eps, out, res_out)
+    return normed, new_residual
+
+
+@torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=())
+def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                               group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
+    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
+    pg = comm.group_from_name(group_name)
+    if method == "fused":
+        return _fused.run(OP, x, residual, weight, eps, pg)
+    if method == "decomposed" and comm.world_size(pg) > 1:
+        n = max(1, min(chunks or DEFAULT_CHUNKS, x.shape[0]))
+        return chunked_all_reduce_add_rmsnorm(x, residual, weight, eps, pg, n)
+    return _unfused(x, residual, weight, eps, pg)
+
+
+@_all_reduce_add_rmsnorm_op.register_fake
+def _(x, residual, weight, eps, group_name, method, chunks):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, eps = inputs[:4]
+    ctx.eps = eps
+    ctx.dtypes = (x.dtype, residual.dtype, weight.dtype)
+    ctx.save_for_backward(output[1], weight)
+
+
+def _backward(ctx, grad_normed, grad_new_residual):
+    h, weight = ctx.saved_tensors
+    dt = torch.promote_types(h.dtype, torch.float32)
+    hf = h.to(dt)
+    grad_h = torch.zeros_like(hf) if grad_new_residual is None else grad_new_residual.to(dt)
+    grad_weight = None
+    if grad_normed is not None:
+        rstd = torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+        xhat = hf * rstd
+        g = grad_normed.to(dt)
+        gw = g * weight.to(dt)
+        grad_h = grad_h + rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
+        if ctx.needs_input_grad[2]:
+            grad_weight = (g * xhat).sum(dim=0).to(ctx.dtypes[2])
+    grad_x = grad_h.to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+    grad_residual = grad_h.to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_residual, grad_weight, None, None, None, None
+
+
+_all_reduce_add_rmsnorm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and method choice (every rank, before any collective of the op)
+
+
+def _meta(t) -> comm.TensorMeta:
+    return comm.TensorMeta.of(t) if isinstance(t, Tensor) else comm.TensorMeta(None, None, None)
+
+
+def _eps_code(eps) -> Tuple[int, int]:
+    """(bits of eps as a float64, 1 if eps is a finite number >= 0 else 0)."""
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        return 0, 0
+    if isinstance(eps, bool):
+        return 0, 0
+    return struct.unpack("<q", struct.pack("<d", value))[0], int(math.isfinite(value) and value >= 0)
+
+
+def check_inputs(sigs: List[comm.Signature], world: int, allowed_devices: Tuple[str, ...]) -> Optional[str]:
+    """The contract of x [..., H], residual [..., H], weight [H], identical across ranks; pure."""
+    for r, s in enumerate(sigs):
+        x, res, w = s.tensors
+        where = f" (rank {r})" if len(sigs) > 1 else ""
+        method, chunks, eps_ok = s.ints[0], s.ints[4], s.ints[6]
+        if method == UNKNOWN_METHOD:
+            return f"method must be one of {_common.METHODS}{where}"
+        for name, t in (("x", x), ("residual", res), ("weight", w)):
+            if t.shape is None:
+                return f"{name} must be a tensor{where}"
+        if x.dtype not in _common.FLOAT_DTYPES or w.dtype not in _common.FLOAT_DTYPES:
+            return (f"x and weight must be float32, float16, bfloat16 or float64; got x "
+                    f"{x.describe()}, weight {w.describe()}{where}")
+        if res.dtype != x.dtype:
+            return f"residual must have x's dtype; got x {x.describe()}, residual {res.describe()}{where}"
+        if not x.device == res.device == w.device:
+            return (f"x, residual and weight must be on one device; got x {x.describe()}, residual "
+                    f"{res.describe()}, weight {w.describe()}{where}")
+        if world > 1 and x.device not in allowed_devices:
+            return (f"tensors on {x.device} cannot be communicated by this process group's backend "
+                    f"(it serves {', '.join(allowed_devices)}){where}")
+        if not 1 <= len(x.shape) <= comm.validate.MAX_DIMS:
+            return f"x must have 1 to {comm.validate.MAX_DIMS} dims [..., H]; got x {x.describe()}{where}"
+        if res.shape != x.shape:
+            return f"residual must have x's shape; got x {x.describe()}, residual {res.describe()}{where}"
+        if len(w.shape) != 1 or w.shape[0] != x.shape[-1]:
+            return (f"weight must be 1-D of x's last dim ({x.shape[-1]}); got weight {w.describe()}"
+                    f"{where}")
+        if 0 in x.shape:
+            return f"empty inputs are not supported: x {x.describe()}{where}"
+        if not eps_ok:
+            return f"eps must be a finite number >= 0{where}"
+        if chunks < 0:
+            return f"chunks must be >= 0 (0: default), got {chunks}{where}"
+    return (comm.differs(sigs, "x", lambda s: s.tensors[0], lambda s: s.tensors[0].describe())
+            or comm.differs(sigs, "residual", lambda s: s.tensors[1], lambda s: s.tensors[1].describe())
+            or comm.differs(sigs, "weight", lambda s: s.tensors[2], lambda s: s.tensors[2].describe())
+            or comm.differs(sigs, "method", lambda s: s.ints[0], lambda s: _common.METHODS[s.ints[0]])
+            or comm.differs(sigs, "eps", lambda s: s.ints[5],
+                            lambda s: repr(struct.unpack("<d", struct.pack("<q", s.ints[5]))[0]))
+            or comm.differs(sigs, "chunks", lambda s: s.ints[4]))
+
+
+def auto_preference(pg, x: Tensor, weight: Tensor, fused_ok: bool) -> _common.Choice:
+    from .. import tune
+
+    w = comm.world_size(pg)
+    entry = tune.lookup(OP, w, tuple(x.shape), tuple(weight.shape), x.dtype, x.device)
+    if entry is not None and (entry.method != "fused" or fused_ok):
+        return _common.Choice(entry.method, entry.chunks, f"tuned entry {tune.cache_path()}")
+    if w == 1:
+        return _common.Choice("unfused", 0, "world size 1: no communication")
+    return _common.Choice("unfused", 0, "untuned shape: the decomposed schedule only hides the cheap "
+                                        "epilogue; fused is chosen only where tuning measured it faster")
+
+
+def prepare(x, residual, weight, eps, group, method: str, chunks: int):
+    """Validate on every rank and choose the method; identical outcome everywhere."""
+    pg = comm.resolve_group(group)
+    world = comm.world_size(pg)
+    known = method in _common.METHODS
+    is_tensor = isinstance(x, Tensor)
+    dtype = x.dtype if is_tensor else None
+    fused_ok, fused_why = (_common.fused_status(OP, x.device.type, dtype, pg) if is_tensor
+                           else (False, "x is not a tensor"))
+    fused_ok = fused_ok and isinstance(weight, Tensor) and isinstance(residual, Tensor)
+    pref = (auto_preference(pg, x, weight, fused_ok) if method == "auto" and is_tensor
+            and isinstance(weight, Tensor) else _common.Choice(method if known else "unfused", 0, "requested"))
+    eps_bits, eps_ok = _eps_code(eps)
+    chunk_count = chunks if isinstance(chunks, int) and not isinstance(chunks, bool) else -1
+    sig = comm.Signature(
+        comm.op_code(OP),
+        (_common.method_code(method) if known else UNKNOWN_METHOD, _common.method_code(pref.method),
+         pref.chunks, int(fused_ok), chunk_count, eps_bits, eps_ok),
+        (_meta(x), _meta(residual), _meta(weight)),
+    )
+    allowed = _common._backend_device_types(pg)
+    sigs = comm.agree(pg, sig, lambda ss: check_inputs(ss, world, allowed))
+    fused_everywhere = all(s.ints[3] for s in sigs)
+    if method == "fused":
+        if not fused_everywhere:
+            missing = [r for r, s in enumerate(sigs) if not s.ints[3]]
+            raise _common.MethodUnavailable(
+                f"pyfused.{OP}: method='fused' is not available here because {fused_why}"
+                + (f" (ranks without it: {missing})" if len(sigs) > 1 else ""))
+        _common.confirm_fused(OP, pg, x.device, method)
+    if method != "auto":
+        return pg, _common.Choice(method, 0, "requested")
+    chosen, reason = _common.METHODS[sigs[0].ints[1]], (pref.reason if comm.rank(pg) == 0 else "rank 0's choice")
+    if chosen == "fused" and not fused_everywhere:
+        chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
+    elif chosen == "fused" and not _common.confirm_fused(OP, pg, x.device, method)[0]:
+        chosen, reason = "decomposed", "the group cannot map symmetric buffers"
+    logger.debug("pyfused.%s: method=auto chose %s (%s) for x=%s dtype=%s world=%d", OP, chosen,
+                 reason, tuple(x.shape), x.dtype, world)
+    return pg, _common.Choice(chosen, sigs[0].ints[2], reason)
+
+
+def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
+                           *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
+    """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
+    see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
+    pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+    h = x.shape[-1]
+    normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
+        x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps), comm.group_name(pg),
+        choice.method, chunks or choice.chunks)
+    return normed.view(x.shape), new_residual.view(x.shape)

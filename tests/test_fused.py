@@ -1,0 +1,314 @@
+"""The fused method's kernels and schedules.
+
+On CPU they run as CPU models across real processes: symmetric buffers in host shared memory
+(backend "host-shm"), the CPU kernels of pyfused::all_reduce_rows / symm_barrier (the same grid,
+row -> block map and barriers as the CUDA kernel, blocks run in order, so a block reading rows
+another block wrote would read them too early), the signal-flag ops and the Triton interpreter. On
+GPUs (marked gpu) the public ops with method="fused" against the references.
+"""
+import os
+
+import pytest
+import torch
+
+from tests.utils import assert_close, rank_tensors
+
+TIMEOUT = 120
+ONE_SHOT, TWO_SHOT = 0, 1
+# (rows, cols): a single element; odd sizes; more rows than the 64 blocks (several rows per block,
+# two-shot segments of 33 rows at world 4); fewer rows than ranks (empty two-shot segments).
+ROW_SHAPES = [(1, 1), (7, 17), (130, 33), (3, 64)]
+EPILOGUES = ["none", "residual", "residual+norm", "norm"]
+
+
+def _expected_h(xs, residual, dtype):
+    """h exactly as the kernels compute it: fp32 sum in rank order (+ residual), rounded once."""
+    acc = torch.zeros(xs[0].shape, dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    if residual is not None:
+        acc += residual.float()
+    return acc.to(dtype)
+
+
+def _all_reduce_rows_cases(rank, world, dtypes):
+    """Every (algo, dtype, shape, epilogue) on this rank; returns the outputs for cross-rank and
+    cross-algorithm comparison in the parent."""
+    from pyfused.comm.symmetric import free_all
+    from pyfused.fused.all_reduce import all_reduce_rows
+
+    results = {}
+    for dtype in dtypes:
+        for si, (rows, cols) in enumerate(ROW_SHAPES):
+            xs = rank_tensors(100 + si, world, (rows, cols), dtype)
+            residual = rank_tensors(200 + si, 1, (rows, cols), dtype)[0]
+            weight = rank_tensors(300 + si, 1, (cols,), torch.float32)[0].abs() + 0.5
+            for epi in EPILOGUES:
+                res = residual if "residual" in epi else None
+                w = weight if "norm" in epi else None
+                h = _expected_h(xs, res, dtype)
+                for algo in (ONE_SHOT, TWO_SHOT):
+                    res_out = torch.full((rows, cols), float("nan"), dtype=dtype) if res is not None else None
+                    out = all_reduce_rows(xs[rank], None, out=None, residual=res, residual_out=res_out,
+                                          weight=w, eps=1e-5, algo=algo, backend="host-shm")
+                    what = f"{dtype} {rows}x{cols} {epi} algo {algo} rank {rank}/{world}"
+                    if res_out is not None:
+                        assert torch.equal(res_out, h), f"{what}: residual_out is not the exact h"
+                    if w is None:
+                        assert torch.equal(out, h), f"{what}: out is not the exact h"
+                    else:
+                        hd = h.double()
+                        ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+                        assert_close(out, ref, dtype, what)
+                    results[(str(dtype), si, epi, algo)] = out
+    assert free_all() >= 1
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_reduce_rows_cpu_model(ranks, world):
+    """One-shot and two-shot, every epilogue, odd shapes: exact h, norm within tolerance, and the
+    same bits on every rank and for both algorithms."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16] if world in (1, 3) else [torch.float32, torch.bfloat16]
+    per_rank = ranks.run(world, _all_reduce_rows_cases, dtypes, timeout=300)
+    for key, out in per_rank[0].items():
+        for r in range(1, world):
+            assert torch.equal(per_rank[r][key], out), f"rank {r} differs from rank 0 at {key}"
+        if key[3] == TWO_SHOT:
+            assert torch.equal(per_rank[0][key[:3] + (ONE_SHOT,)], out), f"one-shot != two-shot at {key}"
+
+
+def _fused_ops(rank, world, dtype):
+    """The four fused implementations over host-shm, twice each and interleaved, so buffers,
+    pointer tables and epochs are reused across calls and ops."""
+    from pyfused.comm.symmetric import free_all, live_buffers
+    from pyfused.fused.all_reduce import (
+        fused_all_reduce_add_rmsnorm,
+        fused_matmul_all_reduce,
+    )
+    from pyfused.fused.gemm_collectives import (
+        fused_all_gather_matmul,
+        fused_matmul_reduce_scatter,
+    )
+    from pyfused.ops import (
+        all_gather_matmul_ref,
+        all_reduce_add_rmsnorm_ref,
+        matmul_all_reduce_ref,
+        matmul_reduce_scatter_ref,
+    )
+
+    kw = dict(backend="host-shm")
+    for it in range(2):
+        seed = 10 * it
+        a_all = rank_tensors(seed, world, (3, 16), dtype)
+        b_all = rank_tensors(seed + 1, world, (16, 8), dtype, scale=0.25)
+        out, gathered = fused_all_gather_matmul(a_all[rank], b_all[rank], None, True, **kw)
+        assert_close(out, all_gather_matmul_ref(a_all, b_all[rank]), dtype, f"all_gather_matmul it {it}")
+        assert torch.equal(gathered, torch.cat(a_all)), "gathered input"
+
+        m_all = rank_tensors(seed + 2, world, (2 * world, 16), dtype)
+        out = fused_matmul_reduce_scatter(m_all[rank], b_all[rank], None, **kw)
+        assert_close(out, matmul_reduce_scatter_ref(m_all, b_all, rank), dtype, f"matmul_reduce_scatter it {it}")
+
+        out = fused_matmul_all_reduce(m_all[rank], b_all[rank], None, **kw)
+        assert_close(out, matmul_all_reduce_ref(m_all, b_all), dtype, f"matmul_all_reduce it {it}")
+
+        x_all = rank_tensors(seed + 3, world, (5, 24), dtype)
+        res = rank_tensors(seed + 4, 1, (5, 24), dtype)[0]
+        w = rank_tensors(seed + 5, 1, (24,), dtype)[0]
+        normed, new_res = fused_all_reduce_add_rmsnorm(x_all[rank], res, w, 1e-6, None, **kw)
+        ref_normed, ref_res = all_reduce_add_rmsnorm_ref(x_all, res, w, 1e-6)
+        assert_close(new_res, ref_res, dtype, f"new_residual it {it}")
+        assert_close(normed, ref_normed, dtype, f"normed it {it}")
+    assert all(b.epoch >= 2 for b in live_buffers())
+    free_all()
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fused_schedules_cpu_model(ranks, world, dtype):
+    assert all(ranks.run(world, _fused_ops, dtype, timeout=300))
+
+
+def _stale_epoch(rank, world):
+    """Rank 1 runs the all-reduce with an older epoch than rank 0: both must fail, not hang."""
+    from pyfused.comm.symmetric import SymmetricBuffer
+
+    buf = SymmetricBuffer.get(None, 1 << 17, "cpu", backend="host-shm")
+    out = torch.empty(2, 4)
+    buf.local_view((2, 4), torch.float32).fill_(1.0)
+    error = None
+    try:
+        torch.ops.pyfused.all_reduce_rows(buf.buffer_ptrs_dev, buf.pad_ptrs_dev, out, None, None, None,
+                                          1e-6, rank, 5 if rank == 0 else 3, ONE_SHOT, 300)
+    except RuntimeError as e:
+        error = str(e)
+    buf.free()
+    return error
+
+
+def test_a_peer_with_another_epoch_fails_instead_of_hanging(ranks):
+    errors = ranks.run(2, _stale_epoch, timeout=TIMEOUT)
+    assert all(e is not None and "did not reach the barrier" in e for e in errors), errors
+    assert "expected >= 5" in errors[0] and "expected >= 3" in errors[1], errors
+
+
+def _lonely_barrier(rank, world):
+    from pyfused.comm.symmetric import CHAN_ENTRY, SymmetricBuffer
+
+    buf = SymmetricBuffer.get(None, 1 << 17, "cpu", backend="host-shm")
+    error = None
+    if rank == 0:
+        try:
+            torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, 0, CHAN_ENTRY, 0, 1, 200)
+        except RuntimeError as e:
+            error = str(e)
+    buf.free()
+    return error
+
+
+def test_barrier_times_out_with_the_missing_rank(ranks):
+    errors = ranks.run(2, _lonely_barrier, timeout=TIMEOUT)
+    assert errors[1] is None and errors[0] is not None, errors
+    assert "rank 0 waited" in errors[0] and "for rank 1 at channel 3 block 0" in errors[0]
+
+
+def test_kernel_argument_checks_and_meta():
+    """The checks every backend shares (CPU and Meta here), with messages that say what is wrong."""
+    ext = pytest.importorskip("pyfused._C")
+    del ext
+    op = torch.ops.pyfused.all_reduce_rows
+    ptrs = torch.zeros(2, dtype=torch.int64)
+    out = torch.empty(4, 8)
+    cases = [
+        ((ptrs, ptrs, out.double(), None, None, None, 1e-6, 0, 1, 0), "must be float32, float16 or bfloat16"),
+        ((ptrs, ptrs, out, None, None, None, 1e-6, 2, 1, 0), "rank 2 is not in [0, 2)"),
+        ((ptrs, ptrs[:1], out, None, None, None, 1e-6, 0, 1, 0), "one entry per rank"),
+        ((torch.zeros(9, dtype=torch.int64),) * 2 + (out, None, None, None, 1e-6, 0, 1, 0), "1 to 8 addresses"),
+        ((ptrs, ptrs, out, torch.empty(4, 7), None, None, 1e-6, 0, 1, 0), "residual must be a contiguous"),
+        ((ptrs, ptrs, out, None, None, torch.empty(8, dtype=torch.float16), 1e-6, 0, 1, 0), "weight must be"),
+        ((ptrs, ptrs, out, None, None, None, 1e-6, 0, 1, 2), "algo must be 0"),
+        ((ptrs, ptrs, out, None, None, None, 1e-6, 0, 0, 0), "epoch must be in [1, 2^31)"),
+    ]
+    for args, text in cases:
+        for device in ("cpu", "meta"):
+            moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+            with pytest.raises(RuntimeError, match=__import__("re").escape(text)):
+                op(*moved)
+    # a valid call on meta tensors checks and returns (nothing to compute)
+    op(ptrs.to("meta"), ptrs.to("meta"), out.to("meta"), None, out.to("meta"), torch.empty(8, device="meta"),
+       1e-6, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="channel must be in"):
+        torch.ops.pyfused.symm_barrier(ptrs, 0, 9, 0, 1)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            torch.ops.pyfused.ipc_alloc(1024, 0)
+
+
+def test_registry_stays_empty_where_fused_cannot_run():
+    from pyfused import fused
+    from pyfused.ops import _common, _fused
+
+    assert sorted(fused.implementations()) == sorted(_fused.FUSED_OPS)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the CPU verdict does not apply")
+    ok, why = _fused.status("matmul_all_reduce", torch.float32)
+    assert not ok and why == "no CUDA device is visible to torch"
+    assert _fused.IMPLS == {}
+    ok, why = _common.fused_status("all_reduce_add_rmsnorm", "cpu")
+    assert not ok and "inputs are on cpu" in why
+    assert _fused.status("nonexistent")[1] == "pyfused has no fused kernel for nonexistent"
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+def _need_nccl_pool(world):
+    if world > 1 and os.environ.get("PYFUSED_TEST_BACKEND", "gloo") != "nccl":
+        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh sets it)")
+
+
+GPU_OPS = {  # op: (a shape per rank, n) -- odd K and N, and a size above the one-shot limit
+    "all_gather_matmul": [((64, 96), 80), ((1024, 4096), 4096)],
+    "matmul_reduce_scatter": [((128, 96), 80), ((4096, 1024), 4096)],
+    "matmul_all_reduce": [((64, 96), 80), ((2048, 1024), 4096)],
+}
+
+
+def _gpu_op_body(rank, world, op, dtype, iters):
+    """``iters`` calls of the fused op (epochs advance; a race between calls would show as a wrong
+    result in some iteration) against the unfused method, forward and backward."""
+    import pyfused.ops as ops
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fn = getattr(ops, op)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    for shape, n in GPU_OPS[op]:
+        for it in range(iters):
+            a_all = rank_tensors(it, world, shape, dtype)
+            b_all = rank_tensors(it + 50, world, (shape[-1], n), dtype, scale=shape[-1] ** -0.5)
+            a = a_all[rank].to(dev).requires_grad_()
+            b = b_all[rank].to(dev).requires_grad_()
+            a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+            y, ref = fn(a, b, method="fused"), fn(a2, b2, method="unfused")
+            g = torch.randn_like(ref)
+            y.backward(g)
+            ref.backward(g)
+            for got, want, what in ((y, ref, "out"), (a.grad, a2.grad, "grad a"), (b.grad, b2.grad, "grad b")):
+                err = (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+                assert err <= tol, f"{op} {shape}x{n} {dtype} iter {it} rank {rank}: {what} rel err {err:.3g}"
+    torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(GPU_OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"w{w}")
+def test_fused_ops_gpu(ranks, world, dtype, op):
+    _need_nccl_pool(world)
+    if world == 1:
+        assert _gpu_op_body(0, 1, op, dtype, iters=3)
+    else:
+        assert all(ranks.run(world, _gpu_op_body, op, dtype, 3, timeout=600))
+
+
+def _gpu_algos_agree(rank, world):
+    """CUDA one-shot == two-shot bit for bit, the same bits on every rank, h exact, and many calls
+    in a row (epochs) stay right."""
+    from pyfused.fused.all_reduce import all_reduce_rows
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    outs = []
+    for rows, cols in [(1, 1), (7, 17), (130, 33), (257, 8192)]:
+        for it in range(10):
+            xs = rank_tensors(it, world, (rows, cols), torch.bfloat16)
+            res = rank_tensors(it + 99, 1, (rows, cols), torch.bfloat16)[0]
+            w = rank_tensors(it + 7, 1, (cols,), torch.float32)[0]
+            h = _expected_h(xs, res, torch.bfloat16)
+            got = []
+            for algo in (ONE_SHOT, TWO_SHOT):
+                res_out = torch.empty(rows, cols, dtype=torch.bfloat16, device=dev)
+                out = all_reduce_rows(xs[rank].to(dev), None if world == 1 else _default_group(),
+                                      residual=res.to(dev), residual_out=res_out, weight=w.to(dev),
+                                      eps=1e-6, algo=algo)
+                assert torch.equal(res_out.cpu(), h), f"{rows}x{cols} algo {algo} iter {it}: h not exact"
+                got.append(out.cpu())
+            assert torch.equal(got[0], got[1]), f"{rows}x{cols} iter {it}: one-shot != two-shot"
+            outs.append(got[0])
+    return outs
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"w{w}")
+def test_all_reduce_rows_gpu_exact_and_replicated(ranks, world):
+    _need_nccl_pool(world)
+    per_rank = [_gpu_algos_agree(0, 1)] if world == 1 else ranks.run(world, _gpu_algos_agree, timeout=600)
+    for r in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0], per_rank[r])), f"rank {r} differs"
