@@ -40,9 +40,15 @@ def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp, **pipeline_options)
-    out = pm(input_ids=ids[rows], labels=labels[rows])
     tag = f"{family} mesh {dict(zip(names, shape))} sp={sp} rank {rank}"
     last = "pp" not in names or mesh.get_local_rank("pp") == mesh.size(names.index("pp")) - 1
+    with torch.no_grad():  # forward only (with pp: an eval step of the schedule, no backward)
+        ev = pm(input_ids=ids[rows], labels=labels[rows])
+    assert_close(ev.loss, ref_out.loss, name=f"eval loss {tag}")
+    if last:
+        assert_close(ev.logits, ref_out.logits, name=f"eval logits {tag}")
+    assert all(p.grad is None for p in pm.parameters()), f"an eval call left gradients {tag}"
+    out = pm(input_ids=ids[rows], labels=labels[rows])
     if last:
         assert_close(out.logits, ref_out.logits, name=f"logits {tag}")
     else:

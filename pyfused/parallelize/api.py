@@ -158,7 +158,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     if pipelined:
         from . import pipeline as pp_mod
 
-        stage = pp_mod.PipelinedModel.build(model, resolved, info, tp, **pipeline_options)
+        stage = pp_mod.PipelinedModel(model, resolved, info, tp, **pipeline_options)
     elif info.size["tp"] > 1:
         tp.apply(model, resolved)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
