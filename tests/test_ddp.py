@@ -222,6 +222,38 @@ def test_unused_parameter_is_an_error_on_every_rank(ranks, who_skips):
     assert "'a.weight'" not in msg, msg
 
 
+class _ReentrantTwice(torch.nn.Module):
+    """``a`` and ``b`` are used inside a reentrant checkpoint and again outside it, so their
+    gradients are accumulated twice in one backward (torch DDP refuses this too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: self.a(torch.relu(self.b(t))), x, use_reentrant=True)
+        return self.a(h) + self.b(h)
+
+
+def _gradient_twice(rank, world):
+    from pyfused.layers import DistributedDataParallel
+    from tests.utils import test_device as device_of_ranks
+
+    torch.manual_seed(0)
+    m = DistributedDataParallel(_ReentrantTwice().to(device_of_ranks()), bucket_cap_mb=0.00001)
+    x = torch.randn(3, 4, device=device_of_ranks(), requires_grad=True)
+    err = H.error_text(lambda: m(x).sum().backward())
+    assert H.group_still_in_step(world)
+    return err
+
+
+def test_gradient_arriving_twice_is_an_error(ranks):
+    errs = ranks.run(2, _gradient_twice, timeout=ERR_TIMEOUT)
+    assert all(e["type"] == "InputError" and "twice" in e["msg"] for e in errs), errs
+
+
 # ----------------------------------------------------------------------------- construction errors
 
 def _build_mismatched(rank, world, variant):
@@ -263,7 +295,8 @@ def test_mismatched_model_errors_on_every_rank(ranks, variant, expect):
         assert part in errs[0]["msg"], errs[0]["msg"]
 
 
-def test_without_process_group_is_local_training():
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_without_process_group_is_local_training(shard):
     """No torch.distributed group: a group of one, identical to plain training."""
     import copy
 
@@ -271,8 +304,10 @@ def test_without_process_group_is_local_training():
     from tests.utils import assert_close
 
     plain = H.build("mlp", 4)
-    wrapped = DistributedDataParallel(copy.deepcopy(plain), bucket_cap_mb=0.001)
-    opts = [H.make_opt("adamw", plain.parameters()), H.make_opt("adamw", wrapped.parameters())]
+    wrapped = DistributedDataParallel(copy.deepcopy(plain), bucket_cap_mb=0.001,
+                                      shard_optimizer=shard)
+    opts = [H.make_opt("adamw", plain.parameters()),
+            wrapped.wrap_optimizer(H.make_opt("adamw", wrapped.parameters()))]
     for s in range(2):
         data = [H.batch("mlp", 4, s, 0)]
         H.train_step("mlp", plain, opts[0], data, ddp=False)

@@ -14,7 +14,7 @@ TIMEOUT = 60
 SHARD = dict(shard_optimizer=True, bucket_cap_mb=0.002)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_matches_unsharded(ranks, world):
     ranks.run(world, H.compare_training, "mlp", opt="adamw_groups", steps=3, ours=SHARD,
               timeout=TIMEOUT)

@@ -3,6 +3,7 @@
 buckets.py      bucket assignment and padding
 bucket_copy.py  flatten / unflatten of a bucket (Triton kernel on CUDA, torch path on CPU)
 reducer.py      hooks, in-order overlapped all-reduce / reduce-scatter, end-of-backward finalize
+status.py       the per-iteration status all-reduce (missing gradients, "used" flags), one message
 sharded.py      ZeRO-1/2: parameter shards, optimizer wrapping, overlapped parameter all-gather
 checks.py       construction-time cross-rank agreement and the initial broadcast
 """

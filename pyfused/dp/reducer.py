@@ -10,14 +10,17 @@ Design (after torch DDP's C++ reducer; see docs/DDP.md):
   rank issues the same collectives in the same order whatever order its gradients arrive in.
 * Launching a bucket: on the comm stream (after it waited for the compute stream), gather the
   bucket's gradients into one buffer, multiplied by 1/world and cast to ``comm_dtype`` (one Triton
-  launch on CUDA, ``cat`` + multiply on CPU), then start an asynchronous all-reduce -- or, with a
-  sharded optimizer, a reduce-scatter into this rank's shard, after which the full gradients are
-  released. Backward continues while the collective runs.
+  launch on CUDA; on CPU each gradient was already multiplied into its slot by its own hook), then
+  start an asynchronous all-reduce -- or, with a sharded optimizer, a reduce-scatter into this
+  rank's shard; the full gradients are released once copied. Backward continues while the
+  collective runs.
 * ``_finalize`` (end of backward): launches whatever is left in order (gradients that never arrived
-  count as zeros, so the ranks' collectives still match), exchanges a small status vector (unused
-  parameters, hooks fired twice), waits for the outstanding collectives and writes the averages back
-  into ``.grad`` (or hands shards to the sharded optimizer). Problems are raised there, with the same
-  message on every rank, after the group is back in a consistent state -- never as a hang.
+  count as zeros, so the ranks' collectives still match), waits for the outstanding collectives and
+  writes the averages back into ``.grad`` (or hands shards to the sharded optimizer). A small status
+  vector (missing gradients, hooks fired twice, "used" flags) is all-reduced asynchronously right
+  after the last bucket's launch -- when every parameter is ready, so the status is complete -- and
+  read here. Problems are raised here, with the same message on every rank, after the group is
+  back in a consistent state -- never as a hang.
 
 Unused parameters. With ``find_unused_parameters=True`` the forward's autograd graph is walked from
 its outputs; parameters it does not reach are marked ready when backward starts (their bucket slots
@@ -43,6 +46,7 @@ from .._logging import logger
 from ..comm import InputError
 from . import bucket_copy
 from .buckets import Bucket
+from .status import StatusExchange
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -77,6 +81,7 @@ class Reducer:
         self._use_kernel = use_kernel
         self._interpret = why == "interpret"
         self._allocate()
+        self.status = StatusExchange(pg, self.names, find_unused)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self.params)]
         self.expect_hooks = False
@@ -116,6 +121,7 @@ class Reducer:
         self.ready = bytearray(n)
         self.dups: List[int] = []
         self.next_bucket = 0
+        self.missing: List[int] = []
         self.callback_queued = False
         self.unused_marked = False
         self.unreached: List[int] = []
@@ -196,11 +202,15 @@ class Reducer:
         b, k = self.loc[i]
         if self.as_view:
             self._grad_into_view(i, b.extra["views"][k])
+        if "plan" not in b.extra:
+            self._copy_slot(b, k)
         b.pending -= 1
         if b.pending == 0:
             while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
                 self._launch(self.buckets[self.next_bucket])
                 self.next_bucket += 1
+                if self.next_bucket == len(self.buckets):
+                    self._launch_status()
 
     def _grad_into_view(self, i: int, view: Tensor) -> None:
         """gradient_as_bucket_view: the gradient must live in the bucket (torch DDP's contract)."""
@@ -220,11 +230,41 @@ class Reducer:
             out.append(g if g is not None else torch.zeros(s.shape, dtype=b.dtype, device=self.device))
         return out
 
+    def _copy_slot(self, b: Bucket, k: int) -> None:
+        """Torch path (no kernel): gradient k goes into the bucket, times 1/world, as soon as it is
+        ready (as torch DDP's reducer does), so that when the bucket's last gradient arrives only
+        that one is left to copy before the collective starts."""
+        s = b.slots[k]
+        p = self.params[s.param]
+        with torch.no_grad():
+            if self.as_view:
+                view, comm_buf = b.extra["views"][k], b.extra["comm_buf"]
+                if comm_buf is b.extra["grad_buf"]:
+                    view.mul_(self.scale)
+                else:
+                    torch.mul(view, self.scale, out=comm_buf[s.offset:s.offset + s.numel].view(s.shape))
+                return
+            if self.sharded and b.comm_in is None:  # transient reduce-scatter input
+                b.comm_in = torch.empty(b.padded, dtype=self._comm_dtype_of(b), device=self.device)
+                b.comm_in[b.numel:].zero_()
+            buf = b.comm_in if self.sharded else b.extra["comm_buf"]
+            dst = buf[s.offset:s.offset + s.numel].view(s.shape)
+            g = p.grad
+            if g is None:
+                dst.zero_()
+            else:
+                torch.mul(g if g.dtype == dst.dtype or g.dtype == torch.float32 else g.float(),
+                          self.scale, out=dst)
+                if self.sharded:
+                    p.grad = None  # ZeRO-2: the full gradient is not kept
+
     def _launch(self, b: Bucket) -> None:
         cdt = self._comm_dtype_of(b)
         plan = b.extra.get("plan")
         with torch.no_grad(), comm.on_comm_stream(self.device) as stream:
-            if self.as_view:
+            if plan is None:  # torch path: every slot was copied by _copy_slot already
+                buf = b.comm_in if self.sharded else b.extra["comm_buf"]
+            elif self.as_view:
                 grad_buf, comm_buf = b.extra["grad_buf"], b.extra["comm_buf"]
                 if comm_buf is grad_buf:
                     grad_buf.mul_(self.scale)
@@ -275,10 +315,12 @@ class Reducer:
     def _finalize(self) -> None:
         self.expect_hooks = False
         try:
-            missing = [i for i in range(len(self.params)) if not self.ready[i]]
-            for i in missing:  # complete every bucket so that all ranks' collectives match
+            # complete every bucket (missing gradients as zeros) so that all ranks' collectives
+            # match; the last launch also launches the status exchange
+            self.missing = [i for i in range(len(self.params)) if not self.ready[i]]
+            for i in self.missing:
                 self._mark_ready(i)
-            global_used, problem = self._exchange_status(missing)
+            global_used, problem = self.status.read(self.dups)
             for b in self.buckets:
                 self._complete(b, global_used)
         finally:
@@ -287,58 +329,9 @@ class Reducer:
         if problem:
             raise InputError(problem)
 
-    def _exchange_status(self, missing: List[int]):
-        """(per-parameter count of ranks that used it, or None; error message or None) -- the
-        same on every rank."""
-        n = len(self.params)
-        local_missing = [] if self.find_unused else missing
-        status = [len(local_missing), len(self.dups)]
-        reduce_it = self.pg is not None and self.world > 1
-        used_counts = None
-        if self.find_unused:
-            vec = torch.tensor(status + list(self.used), dtype=torch.int64)
-            if reduce_it:
-                vec = self._all_reduce_small(vec)
-            status, used_counts = vec[:2].tolist(), vec[2:].tolist()
-        elif reduce_it and comm.validation_enabled():
-            status = self._all_reduce_small(torch.tensor(status, dtype=torch.int64)).tolist()
-        if not any(status):
-            return used_counts, None
-        # Something is wrong somewhere: one more exchange names which parameters and ranks.
-        flags = [0] * (2 * n + self.world)
-        for i in local_missing:
-            flags[i] = 1
-        for i in self.dups:
-            flags[n + i] = 1
-        flags[2 * n + self.rank] = len(local_missing) + len(self.dups)
-        vec = torch.tensor(flags, dtype=torch.int64)
-        if reduce_it:
-            vec = self._all_reduce_small(vec)
-        flags = vec.tolist()
-        return used_counts, self._problem_message(flags, n)
-
-    def _all_reduce_small(self, vec: Tensor) -> Tensor:
-        vec = vec.to(comm.comm_device(self.pg))
-        dist.all_reduce(vec, group=self.pg)
-        return vec.cpu()
-
-    def _problem_message(self, flags: List[int], n: int) -> str:
-        missing = [self.names[i] for i in range(n) if flags[i]]
-        dups = [self.names[i] for i in range(n) if flags[n + i]]
-        ranks = [r for r in range(self.world) if flags[2 * n + r]]
-        where = f" on rank(s) {ranks}" if self.world > 1 else ""
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
-            return (f"pyfused.DistributedDataParallel: {len(missing)} parameter(s) received no gradient "
-                    f"in this backward{where}: {shown}. The module has parameters that were not used "
-                    f"in producing the loss. Pass find_unused_parameters=True to "
-                    f"DistributedDataParallel, and make sure every forward output takes part in the "
-                    f"loss. (Their gradients were averaged as zeros so the ranks stay in step.)")
-        shown = ", ".join(repr(d) for d in dups[:8])
-        return (f"pyfused.DistributedDataParallel: the gradient of {shown} was marked ready twice in "
-                f"one backward{where} (a parameter used in several reentrant backward passes, e.g. "
-                f"activation checkpointing with use_reentrant=True, or two backward calls through one "
-                f"forward); this is not supported")
+    def _launch_status(self) -> None:
+        local_missing = [] if self.find_unused else self.missing
+        self.status.launch(local_missing, self.dups, self.used if self.find_unused else None)
 
     def _complete(self, b: Bucket, global_used: Optional[List[int]]) -> None:
         if b.work is not None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
+from .._logging import logger
 from ..comm import Signature
 from .buckets import Bucket
 
@@ -72,6 +73,7 @@ class ShardedState:
         self.master_dtype: Optional[torch.dtype] = None  # None: the parameters' own dtype
         self.optimizer_ref = None
         self.pending: Dict[int, object] = {}  # bucket index -> gather work
+        self._warned_unwrapped = False
         self._hooks = []
         with torch.no_grad():
             for b in buckets:
@@ -126,6 +128,11 @@ class ShardedState:
 
     def on_shard_reduced(self, b: Bucket, unused: set) -> None:
         """Called by the reducer once bucket ``b``'s reduce-scatter finished."""
+        if self.optimizer_ref is None and not self._warned_unwrapped:
+            self._warned_unwrapped = True
+            logger.warning("pyfused.DistributedDataParallel(shard_optimizer=True): no optimizer was "
+                           "wrapped, so parameters' .grad stay None and a plain optimizer steps "
+                           "nothing; call opt = ddp.wrap_optimizer(opt)")
         if b.extra["shard_grad"] is not b.extra["shard_out"]:
             b.extra["shard_grad"].copy_(b.extra["shard_out"])
         for pc in b.extra["pieces"]:
