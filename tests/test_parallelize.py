@@ -71,17 +71,17 @@ def check_step(pm, ref, ref_out, ref_grads, ids, labels, tag, last_stage=True):
         assert_close(g, ref_grads[name], name=f"grad {name} {tag}")
 
 
-def _tp_matches(rank, world, family, sp_values):
+def _tp_matches(rank, world, family, variants):
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
 
     ids, labels = batch()
     ref, ref_out, ref_grads = reference_step(family, ids, labels)
-    for sp in sp_values:
+    for sp, overlap in variants:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp)
-        tag = f"{family} tp={world} sp={sp} rank {rank}"
+        pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp, overlap=overlap)
+        tag = f"{family} tp={world} sp={sp} overlap={overlap} rank {rank}"
         # the heads really were divided (the attention modules read no head count from the config)
         layer = pm.module.model.layers[0] if family != "gpt2" else pm.module.transformer.h[0]
         if family == "gpt2":
@@ -100,12 +100,15 @@ def _tp_matches(rank, world, family, sp_values):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_tensor_parallel_matches_single_process(ranks, family, world):
-    assert all(ranks.run(world, _tp_matches, family, (False, True), timeout=240))
+    # overlap="auto" picks the unfused ops at these sizes; the chunked (decomposed) schedules of the
+    # layers' ops run once per world size and family, with sequence parallelism (all three ops)
+    variants = [(False, "auto"), (True, "auto"), (True, "decomposed")]
+    assert all(ranks.run(world, _tp_matches, family, variants, timeout=240))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_llama_family_members(ranks, family):
     # one world size each: the Llama-family code path is covered above, these check the detection
     # and the q/k/v biases (qwen2) of the members
-    assert all(ranks.run(2, _tp_matches, family, (True,), timeout=240))
+    assert all(ranks.run(2, _tp_matches, family, [(True, "auto")], timeout=240))
 
