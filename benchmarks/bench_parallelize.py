@@ -12,7 +12,8 @@ Variants (rows):
   * ``pyfused-tp+sp``: ``parallelize(model, mesh)`` (norms on sequence shards, all_gather_matmul /
     matmul_reduce_scatter).
 All three start from the same full model; their losses are checked against each other before
-anything is timed. A step is ``zero_grad``, forward with labels (full logits + loss), backward and an
+anything is timed, and the three are timed round-robin (``harness.time_interleaved``, the
+interleaved form of ``time_fn``), so a shared machine's drifting load hits them alike. A step is ``zero_grad``, forward with labels (full logits + loss), backward and an
 AdamW step. ``tokens_per_s`` = batch x sequence / step time; ``tflops`` counts 6 x (GEMM parameters)
 per token plus causal attention (6 x 2 x s x h per token and layer, the full square), per rank.
 
@@ -29,7 +30,7 @@ from typing import Dict, List
 import torch
 
 from pyfused.bench.gemm_collective import agree_close
-from pyfused.bench.harness import metadata, op_row, speedup, time_fn
+from pyfused.bench.harness import metadata, op_row, speedup, time_interleaved
 
 MULTI_RANK = True
 
@@ -119,8 +120,7 @@ def run(ctx) -> List[Dict]:
         "pyfused-tp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=False),
         "pyfused-tp+sp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=True),
     }
-    times: Dict[str, float] = {}
-    ref_loss = None
+    steps, ref_loss = {}, None
     for name, make in makers.items():
         model = make(copy.deepcopy(full))
         model.train()
@@ -130,8 +130,9 @@ def run(ctx) -> List[Dict]:
         if ref_loss is None:
             ref_loss = loss
         agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {size.label}", ctx)
-        times[name] = time_fn(training_step(model, opt, ids), ctx)
-        del model, opt
+        steps[name] = training_step(model, opt, ids)
+    # round-robin: load drifting on a shared machine hits every variant alike
+    times = time_interleaved(steps, ctx)
     rows = []
     flop = flop_per_rank(size, ctx.world)
     for name, ms in times.items():
