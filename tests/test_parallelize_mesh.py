@@ -79,9 +79,11 @@ def test_data_parallel_x_tensor_parallel(ranks, family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_pipeline_x_tensor_parallel(ranks, family):
-    # gpt2 ties its LM head to the embedding: the two copies live on different stages
-    assert all(ranks.run(4, _mesh_matches, family, (2, 2), ("pp", "tp"), True,
-                         {"n_microbatches": 2}, timeout=240))
+    # gpt2 ties its LM head to the embedding: the two copies live on different stages. llama: a cut
+    # after both blocks (units: embedding, block 0, block 1, head), so that a stage's second block
+    # receives the first one's sequence shard; gpt2: the profiled (time-balanced) cut
+    options = {"n_microbatches": 2, **({"split_points": [3]} if family == "llama" else {})}
+    assert all(ranks.run(4, _mesh_matches, family, (2, 2), ("pp", "tp"), True, options, timeout=240))
 
 
 def test_data_parallel_x_pipeline(ranks):

@@ -215,13 +215,15 @@ class PipelinedModel:
         from ..pipeline.autosplit import PipelineSegment
 
         model, local = self.top, []
+        first_block = next((i for i in self.units if 1 <= i <= n), None)
         for i in self.units:
             if i == 0:
                 local.append(Embed(self.parts, [model.get_submodule(nm) for nm, _ in self.before]))
             elif i == n + 1:
                 local.append(Head(self.parts, [model.get_submodule(nm) for nm, _ in self.after]))
-            else:
-                local.append(Block(self.parts, i - 1))
+            else:  # inside the stage's sequence-parallel region, blocks pass shards to each other
+                shards = self.tp.world if self.tp.sp and i != first_block else 1
+                local.append(Block(self.parts, i - 1, shards))
         return PipelineSegment([(str(i), u) for i, u in zip(self.units, local)])
 
     def _tied_pair(self):

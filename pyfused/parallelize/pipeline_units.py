@@ -91,11 +91,14 @@ class ModelParts:
                 return stop.args, stop.kwargs
         raise RuntimeError(f"{type(self.base).__name__}.forward never called its block {i}")
 
-    def side_inputs(self, i: int, hidden: torch.Tensor):
-        key = (i, tuple(hidden.shape), hidden.dtype, hidden.device)
+    def side_inputs(self, i: int, batch_first_shape: tuple, like: torch.Tensor):
+        """(args, kwargs) after the hidden states that the forward passes block ``i`` for a batch of
+        ``batch_first_shape`` ([b, s, h]); they depend on the shape only, so they are cached."""
+        key = (i, tuple(batch_first_shape), like.dtype, like.device)
         if key not in self.side_cache:
             with torch.no_grad():
-                args, kwargs = self.until_block(i, inputs_embeds=hidden.detach())
+                dummy = like.new_zeros(batch_first_shape)
+                args, kwargs = self.until_block(i, inputs_embeds=dummy)
             self.side_cache[key] = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})
         return self.side_cache[key]
 
@@ -117,14 +120,21 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelParts, index: int):
+    """Block ``index``. ``sequence_shards=W > 1``: it receives the previous block's sequence-parallel
+    output, a ``[s/W, b, h]`` shard (only a stage's first block gets the full ``[b, s, h]``)."""
+
+    def __init__(self, m: ModelParts, index: int, sequence_shards: int = 1):
         super().__init__()
         object.__setattr__(self, "_m", m)
         self.index = index
+        self.sequence_shards = sequence_shards
         self.block = m.blocks[index]
 
     def forward(self, hidden):
-        args, kwargs = self._m.side_inputs(self.index, hidden)
+        shape = tuple(hidden.shape)
+        if self.sequence_shards > 1:
+            shape = (shape[1], shape[0] * self.sequence_shards, *shape[2:])
+        args, kwargs = self._m.side_inputs(self.index, shape, hidden)
         out = self.block(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
