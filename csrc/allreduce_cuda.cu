@@ -60,6 +60,17 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// The cold path of a barrier wait, out of line: printf's argument buffer would otherwise sit on
+// every kernel's stack and cost registers in the hot loops.
+__device__ __noinline__ void barrier_timed_out(uint64_t timeout_ns, int rank, int block, int channel,
+                                               int q, int32_t seen, int32_t epoch) {
+  printf("pyfused symmetric-memory barrier timed out after %llu ms: rank %d block %d channel %d "
+         "waits for rank %d (slot holds %d, expected >= %d). A peer did not reach the barrier. "
+         "Trapping: the CUDA context is lost.\n",
+         static_cast<unsigned long long>(timeout_ns / 1000000), rank, block, channel, q, seen, epoch);
+  __trap();
+}
+
 __device__ void block_barrier(const int64_t* pads, int rank, int world, int channel, int block,
                               int32_t epoch, uint64_t timeout_ns) {
   __syncthreads();
@@ -73,12 +84,7 @@ __device__ void block_barrier(const int64_t* pads, int rank, int world, int chan
     int32_t seen;
     while ((seen = ld_acquire_sys(mine)) < epoch) {
       if (timeout_ns != 0 && globaltimer_ns() - start > timeout_ns) {
-        printf("pyfused symmetric-memory barrier timed out after %llu ms: rank %d block %d channel %d "
-               "waits for rank %d (slot holds %d, expected >= %d). A peer did not reach the "
-               "barrier. Trapping: the CUDA context is lost.\n",
-               static_cast<unsigned long long>(timeout_ns / 1000000), rank, block, channel, q, seen,
-               epoch);
-        __trap();
+        barrier_timed_out(timeout_ns, rank, block, channel, q, seen, epoch);
       }
     }
   }

@@ -224,3 +224,27 @@ def test_fused_matches_reference_gpu(ranks, world, dtype):
         else:
             assert all(ranks.run(world, check_against_reference, "fused", dtype, shape, 70 + i,
                                  timeout=300))
+
+
+def _bench_quick(rank, world):
+    import torch.distributed as dist
+
+    from benchmarks import bench_all_reduce_add_rmsnorm as suite
+    from pyfused.bench.harness import BenchContext
+
+    ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                       warmup=0, iters=1)
+    return suite.run(ctx)
+
+
+def test_benchmark_suite_quick(ranks):
+    """The suite runs collectively, checks every method against unfused, and reports fused as
+    unavailable (with the reason) on CPU instead of a number."""
+    rows = ranks.run(2, _bench_quick, timeout=300)[0]
+    methods = [r["method"] for r in rows]
+    assert methods.count("unfused") == 2 and methods.count("all_reduce alone") == 2, methods
+    fused = [r for r in rows if r["method"] == "fused"]
+    assert fused and all(r["status"].startswith("unavailable: ") and "inputs are on cpu" in r["status"]
+                         for r in fused)
+    timed = [r for r in rows if r["method"] in ("unfused", "decomposed", "auto")]
+    assert all(r["time_ms"] > 0 and r["algbw_GBps"] > 0 for r in timed), timed

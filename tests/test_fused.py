@@ -312,3 +312,18 @@ def test_all_reduce_rows_gpu_exact_and_replicated(ranks, world):
     per_rank = [_gpu_algos_agree(0, 1)] if world == 1 else ranks.run(world, _gpu_algos_agree, timeout=600)
     for r in range(1, world):
         assert all(torch.equal(a, b) for a, b in zip(per_rank[0], per_rank[r])), f"rank {r} differs"
+
+
+def test_sanitizer_driver_runs_on_cpu():
+    """benchmarks/sanitize_fused.py (run under compute-sanitizer by gpu_check.sh) checked here on
+    CPU: every fused kernel on its shapes, 2 processes, exit status 0 and its success line."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "sanitize_fused.py"), "--cpu",
+                          "--world", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
+                         cwd=repo)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all kernels ran and matched" in out.stdout
+    assert "Traceback" not in out.stderr, out.stderr

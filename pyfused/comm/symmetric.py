@@ -163,8 +163,19 @@ class TorchSymmetricMemoryBackend(Backend):
         return local, None, None
 
     def open(self, records, rank, local, state, total, device, pg):
+        import warnings
+
         from torch.distributed import _symmetric_memory as symm_mem
 
+        # Older torch needs the group's store registered first (enable_symm_mem_for_group); newer
+        # torch (2.14 here) finds it itself and marks that call deprecated (PEP 702
+        # ``__deprecated__``), so it is made only where it is not deprecated.
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if (enable is not None and not getattr(enable, "__deprecated__", None)
+                and not symm_mem.is_symm_mem_enabled_for_group(pg.group_name)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(pg.group_name)
         handle = symm_mem.rendezvous(local, pg.group_name)
         ptrs = list(handle.buffer_ptrs)
         if ptrs[rank] != local.data_ptr():
@@ -225,36 +236,42 @@ class HostSharedMemoryBackend(Backend):
         return local, shm.name, shm
 
     def open(self, records, rank, local, state, total, device, pg):
-        from multiprocessing import resource_tracker, shared_memory
+        import mmap
 
-        segments = {rank: state}
+        import _posixshmem  # CPython's own shm_open, what multiprocessing.shared_memory uses
+
+        maps = {rank: state}
         peers = []
         for q, name in enumerate(records):
             if q == rank:
                 peers.append(local)
                 continue
-            seg = shared_memory.SharedMemory(name=name)
-            # Only the creator unlinks: stop this process's tracker from unlinking a peer's segment.
-            resource_tracker.unregister(seg._name, "shared_memory")
-            segments[q] = seg
-            peers.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=total))
+            # Mapped directly, not through SharedMemory: that would register the peer's segment
+            # with this process's resource tracker, which unlinks it (or, when the tracker is
+            # shared with the creator, forgets the creator's registration) behind the creator's back.
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                maps[q] = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+            peers.append(torch.frombuffer(maps[q], dtype=torch.uint8, count=total))
 
         def release():
             import gc
 
-            for q, seg in sorted(segments.items()):
+            for q, m in sorted(maps.items()):
                 try:
-                    seg.close()
+                    m.close()
                 except BufferError:  # a view may only be waiting for the cycle collector
                     gc.collect()
                 try:
-                    seg.close()
+                    m.close()
                 except BufferError:
                     raise RuntimeError(
                         f"host-shm buffer of rank {q}: a tensor viewing it is still referenced; drop "
                         f"every view before free()") from None
                 if q == rank:
-                    seg.unlink()
+                    m.unlink()
 
         return Mapping(local, peers, [p.data_ptr() for p in peers], release=release)
 

@@ -112,13 +112,16 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
     order = [(r + 1 + i) % w for i in range(w)]
     _barrier(buf, CHAN_ENTRY, epoch)
     if device.type == "cuda":
-        plan = plan_gemm(big_m, n, k, dtype, device, num_chunks=w)
+        # The relay waits for the tile count of this rank's GEMM config, which depends on TF32:
+        # the plan and the launch must see the same allow_tf32.
+        tf32 = dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+        plan = plan_gemm(big_m, n, k, dtype, device, num_chunks=w, allow_tf32=tf32)
         counters = torch.zeros(w, dtype=torch.int32, device=device)
         relay = streams.comm_stream(device)
         relay.wait_stream(torch.cuda.current_stream(device))  # sees the barrier and the zeroed counters
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets, signal_counters=counters,
-             signal_scope="sys", num_programs=max(1, sms - config.RELAY_SMS))
+             signal_scope="sys", num_programs=max(1, sms - config.RELAY_SMS), allow_tf32=tf32)
         with torch.cuda.stream(relay):
             for c in order:
                 wait_flag(counters, c, plan.tiles_per_chunk, config.timeout_ms())

@@ -1,0 +1,153 @@
+"""Driver for compute-sanitizer over the fused kernels (benchmarks/gpu_check.sh, steps sanitize_*).
+
+    compute-sanitizer --tool memcheck  --target-processes all --error-exitcode 9 \
+        python benchmarks/sanitize_fused.py --world 2
+    compute-sanitizer --tool racecheck --target-processes all --error-exitcode 9 \
+        python benchmarks/sanitize_fused.py --world 1
+
+Spawns ``--world`` ranks on this host's GPU(s) (rank r on cuda:r % count), joined by a gloo group:
+the fused implementations (pyfused/fused) need a group only for the symmetric-buffer exchange and
+their buffers' barriers, and gloo keeps NCCL's own kernels out of the sanitizer's report. Each rank
+runs every fused kernel on small odd shapes -- the custom all-reduce (one-shot and two-shot, every
+epilogue), GEMM + all-reduce, all-gather + GEMM, GEMM + reduce-scatter -- ``--iters`` times, checks
+the results against fp64 references on the CPU, frees its buffers and exits 0; any mismatch or
+error exits 1 (and the sanitizer exits 9 on a memory or race error it found).
+
+``--cpu`` runs the same driver on CPU (host-shm buffers, CPU kernels, Triton interpreter): a check
+of the driver itself where there is no GPU (tests/test_fused.py runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(got, want, tol, what):
+    import torch
+
+    err = (got.double().cpu() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+    if not err <= tol:
+        raise AssertionError(f"{what}: relative error {err:.3g} > {tol}")
+
+
+def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pyfused.comm.symmetric import free_all
+    from pyfused.fused.all_reduce import all_reduce_rows, fused_all_reduce_add_rmsnorm, fused_matmul_all_reduce
+    from pyfused.fused.config import ONE_SHOT, TWO_SHOT
+    from pyfused.fused.gemm_collectives import fused_all_gather_matmul, fused_matmul_reduce_scatter
+
+    if cpu:
+        dev, kw = torch.device("cpu"), {"backend": "host-shm"}
+    else:
+        dev, kw = torch.device("cuda", rank % torch.cuda.device_count()), {}
+        torch.cuda.set_device(dev)
+    pg = dist.group.WORLD
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+    # The Triton interpreter computes bf16 dots wrongly on CPU (tests/test_gemm.py checks bf16 on GPUs
+    # only), so the CPU check of this driver uses float16.
+    dtypes = (torch.float32, torch.float16) if cpu else (torch.float32, torch.bfloat16)
+
+    def per_rank(seed, shape, dtype):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(*shape, generator=g).to(dtype) for _ in range(world)]
+
+    for it in range(iters):
+        for dtype in dtypes:
+            for rows, cols in ((1, 1), (7, 17), (130, 40)):
+                xs = per_rank(it + rows, (rows, cols), dtype)
+                res = per_rank(it + 1000, (rows, cols), dtype)[0]
+                w = per_rank(it + 2000, (cols,), torch.float32)[0]
+                h = sum(x.double() for x in xs) + res.double()
+                ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+                for algo in (ONE_SHOT, TWO_SHOT):
+                    res_out = torch.empty(rows, cols, dtype=dtype, device=dev)
+                    out = all_reduce_rows(xs[rank].to(dev), pg, residual=res.to(dev), residual_out=res_out,
+                                          weight=w.to(dev), eps=1e-6, algo=algo, **kw)
+                    _close(res_out, h, tol[dtype], f"all_reduce_rows h {rows}x{cols} algo {algo}")
+                    _close(out, ref, tol[dtype], f"all_reduce_rows norm {rows}x{cols} algo {algo}")
+            normed, new_res = fused_all_reduce_add_rmsnorm(xs[rank].to(dev), res.to(dev), w.to(dev), 1e-6, pg, **kw)
+            _close(new_res, h, tol[dtype], "fused_all_reduce_add_rmsnorm")
+
+            a = per_rank(it + 3, (4 * world, 48), dtype)
+            b = per_rank(it + 4, (48, 40), dtype)
+            total = sum(x.double() @ y.double() for x, y in zip(a, b))
+            _close(fused_matmul_all_reduce(a[rank].to(dev), b[rank].to(dev), pg, **kw), total, tol[dtype],
+                   "fused_matmul_all_reduce")
+            m = 4
+            _close(fused_matmul_reduce_scatter(a[rank].to(dev), b[rank].to(dev), pg, **kw),
+                   total[rank * m:(rank + 1) * m], tol[dtype], "fused_matmul_reduce_scatter")
+            shards = per_rank(it + 5, (3, 48), dtype)
+            out, gathered = fused_all_gather_matmul(shards[rank].to(dev), b[rank].to(dev), pg, True, **kw)
+            _close(out, torch.cat(shards).double() @ b[rank].double(), tol[dtype], "fused_all_gather_matmul")
+            _close(gathered, torch.cat(shards), 0.0, "gathered")
+    if not cpu:
+        torch.cuda.synchronize()
+    free_all()
+
+
+def _rank_main(rank: int, world: int, port: int, iters: int, cpu: bool, results) -> None:
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before pyfused.kernels is imported
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
+        _body(rank, world, iters, cpu)
+        dist.destroy_process_group()
+        results.put((rank, None))
+    except BaseException:  # report everything; the parent decides
+        results.put((rank, traceback.format_exc()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="check the driver on CPU (no GPU needed)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    if args.world == 1:
+        import multiprocessing as mp
+
+        q = mp.get_context("spawn").SimpleQueue()
+        _rank_main(0, 1, _free_port(), args.iters, args.cpu, q)
+        errors = [q.get()]
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        q = ctx.SimpleQueue()
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args.iters, args.cpu, q))
+                 for r in range(args.world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        errors = [q.get() for _ in procs if not q.empty()]
+        if len(errors) < args.world:
+            errors.append((-1, f"only {len(errors)} of {args.world} ranks reported (a crash?)"))
+    failed = [(r, e) for r, e in errors if e]
+    for r, e in failed:
+        print(f"--- rank {r} failed:\n{e}", file=sys.stderr)
+    print(f"sanitize_fused: world {args.world}, {args.iters} iterations: "
+          f"{'FAILED' if failed else 'all kernels ran and matched'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
