@@ -152,8 +152,11 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "packaging"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],  # opcheck runs without expecttest
-        "bench": ["rich", "tqdm", "matplotlib"],
+        # opcheck runs without expecttest; transformers: the parallelize() tests build tiny models
+        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy", "transformers>=5.17",
+                 "rich", "tqdm", "matplotlib"],
+        "bench": ["rich", "tqdm", "matplotlib", "transformers>=5.17"],
+        "models": ["transformers>=5.17"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
