@@ -94,7 +94,10 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
             _close(out, torch.cat(shards).double() @ b[rank].double(), tol[dtype], "fused_all_gather_matmul")
             _close(gathered, torch.cat(shards), 0.0, "gathered")
     if not cpu:
+        from pyfused.fused.gemm_collectives import TIMEOUTS
+
         torch.cuda.synchronize()
+        TIMEOUTS.check(sync=True)  # no bounded wait in a Triton kernel gave up
     free_all()
 
 

@@ -206,6 +206,34 @@ def test_kernel_argument_checks_and_meta():
             torch.ops.pyfused.ipc_alloc(1024, 0)
 
 
+def test_timeout_watch_reports_a_wait_that_gave_up():
+    """The deferred check of the Triton kernels' status words (CUDA-only in use; stub events here)."""
+    from pyfused.fused.gemm_collectives import TimeoutWatch
+    from pyfused.ops.reduce import WaitTimeout
+
+    class Done:
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    class Running(Done):
+        def query(self):
+            return False
+
+    watch = TimeoutWatch()
+    watch.pending.append((Done(), torch.tensor([0], dtype=torch.int32), str, "ok call"))
+    watch.pending.append((Running(), torch.tensor([3], dtype=torch.int32), lambda c: f"chunk {c - 1}", "late call"))
+    watch.check()  # the first is fine, the second has not finished: nothing raised, nothing waited for
+    assert len(watch.pending) == 1
+    with pytest.raises(WaitTimeout, match="late call: gave up waiting on chunk 2"):
+        watch.check(sync=True)
+    assert not watch.pending
+    watch.watch(torch.zeros(1, dtype=torch.int32), str, "cpu")  # CPU launchers check themselves
+    assert not watch.pending
+
+
 def test_registry_stays_empty_where_fused_cannot_run():
     from pyfused import fused
     from pyfused.ops import _common, _fused
@@ -257,7 +285,9 @@ def _gpu_op_body(rank, world, op, dtype, iters):
             for got, want, what in ((y, ref, "out"), (a.grad, a2.grad, "grad a"), (b.grad, b2.grad, "grad b")):
                 err = (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
                 assert err <= tol, f"{op} {shape}x{n} {dtype} iter {it} rank {rank}: {what} rel err {err:.3g}"
-    torch.cuda.synchronize()
+    from pyfused.fused.gemm_collectives import TIMEOUTS
+
+    TIMEOUTS.check(sync=True)  # no bounded wait in a Triton kernel gave up
     return True
 
 

@@ -24,6 +24,11 @@ GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
      slot on flag s (source s wrote it).
 
+Waits in the Triton kernels are bounded (``spin_limit``): one that gives up is reported by
+``TIMEOUTS`` as ``WaitTimeout`` on a later fused call, without a host sync per call (see
+``TimeoutWatch``); the waits in the CUDA kernels trap instead. Epochs are host-side state, so these
+schedules are not CUDA-graph capturable.
+
 CPU model (``backend="host-shm"``, Triton interpreter): the same buffers, copies, flags and kernels,
 but a CPU wait cannot block (the interpreter runs programs one after another), so a host barrier
 (channel CHAN_SYNC) after the data movement stands in for the in-kernel waits; the kernels still
@@ -31,7 +36,8 @@ check every flag they would have waited on.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from collections import deque
+from typing import Callable, Deque, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -41,9 +47,45 @@ from ..comm.flags import signal_flag, wait_flag
 from ..comm.group import rank as group_rank
 from ..comm.group import resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
-from ..ops.gemm import gemm, plan_gemm
-from ..ops.reduce import PointerTable, multi_source_reduce
+from ..ops.gemm import describe_gemm_timeout, gemm, plan_gemm
+from ..ops.reduce import (
+    PointerTable, WaitTimeout, describe_reduce_timeout, multi_source_reduce, new_status,
+)
 from . import config
+
+
+class TimeoutWatch:
+    """The Triton kernels' bounded waits, reported without a host sync. A wait that gives up writes
+    a code into its launch's status word and the kernel goes on (kernels/gemm.py "No hang"); on CUDA
+    the launcher cannot look without synchronizing. So each launch's status is copied to pinned
+    host memory behind an event, and every later fused call checks -- without blocking -- those
+    whose event has completed, raising ``WaitTimeout`` for one that timed out (a late but loud error
+    instead of a silently wrong result). ``check(sync=True)`` waits for all of them."""
+
+    def __init__(self) -> None:
+        self.pending: Deque[Tuple[torch.cuda.Event, Tensor, Callable[[int], str], str]] = deque()
+
+    def watch(self, status: Tensor, describe: Callable[[int], str], what: str) -> None:
+        if status.device.type != "cuda":
+            return  # the CPU launchers check their status themselves
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(status, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((event, host, describe, what))
+
+    def check(self, sync: bool = False) -> None:
+        while self.pending and (sync or self.pending[0][0].query()):
+            event, host, describe, what = self.pending.popleft()
+            event.synchronize()
+            code = int(host[0])
+            if code:
+                self.pending.clear()
+                raise WaitTimeout(f"{what}: gave up waiting on {describe(code)} (a peer never "
+                                  f"signalled); that call's output was wrong")
+
+
+TIMEOUTS = TimeoutWatch()
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -68,6 +110,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
                             backend: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """(all_gather(a) @ b, a copy of all_gather(a) if keep_gathered else None); 2-D a [m, K]."""
     pg = resolve_group(pg)
+    TIMEOUTS.check()
     w, r = world_size(pg), group_rank(pg)
     m, k = a.shape
     dtype, device = a.dtype, a.device
@@ -87,8 +130,10 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     if device.type != "cuda":
         _barrier(buf, CHAN_SYNC, epoch)
     order = [(r + i) % w for i in range(w)]
+    status = new_status(device)
     out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
-               flag_scope="sys")
+               flag_scope="sys", status=status)
+    TIMEOUTS.watch(status, describe_gemm_timeout, "fused all_gather_matmul")
     streams.join_comm_stream(device)
     return out, (gathered.clone() if keep_gathered else None)
 
@@ -96,6 +141,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
 def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[str] = None) -> Tensor:
     """This rank's [M/W, N] chunk of the sum over ranks of a @ b; 2-D a [M, K], M % W == 0."""
     pg = resolve_group(pg)
+    TIMEOUTS.check()
     w, r = world_size(pg), group_rank(pg)
     big_m, k = a.shape
     n = b.shape[1]
@@ -133,7 +179,9 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         for c in order:
             signal_flag(buf.flags(c, count=w), r, epoch)
         _barrier(buf, CHAN_SYNC, epoch)
+    status = new_status(device)
     out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
-                              flag_scope="sys")
+                              flag_scope="sys", status=status)
+    TIMEOUTS.watch(status, describe_reduce_timeout(w, 1), "fused matmul_reduce_scatter")
     streams.join_comm_stream(device)
     return out
