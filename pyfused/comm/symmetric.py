@@ -351,6 +351,16 @@ def check_records(records: Sequence[Record]) -> Optional[str]:
     return None
 
 
+def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
+    """Raise if this rank's GPU cannot address a peer's (other) GPU directly (no NVLink/PCIe P2P)."""
+    if device.type != "cuda":
+        return
+    for q, r in enumerate(records):
+        if r.device_index != device.index and not torch.cuda.can_device_access_peer(device.index, r.device_index):
+            raise SymmetricUnavailable(f"cuda:{device.index} has no peer access to cuda:{r.device_index} "
+                                       f"(rank {q}'s GPU)")
+
+
 def _agree_all_ok(pg, error: Optional[str], gather: Optional[Callable]) -> Optional[str]:
     """Every rank's local error after a step that can fail on some ranks only -> one message."""
     if _world_size(pg) == 1:
@@ -419,7 +429,7 @@ class SymmetricBuffer:
         error = None
         try:
             local, handle, state = backend.allocate(total, device)
-        except Exception as e:
+        except Exception as e:  # every rank learns of it through the records below
             error = f"{type(e).__name__}: {e}"
         mine = Record(total, backend.name, device.type, device.index or 0, socket.gethostname(),
                       handle, error)
@@ -428,8 +438,9 @@ class SymmetricBuffer:
         mapping = None
         if msg is None:
             try:
+                _check_peer_access(device, records)
                 mapping = backend.open([r.handle for r in records], rank, local, state, total, device, pg)
-            except Exception as e:
+            except Exception as e:  # agreed on below: every rank raises the same error
                 error = f"{type(e).__name__}: {e}"
             failed = _agree_all_ok(pg, error, gather)
             if failed:
@@ -437,7 +448,8 @@ class SymmetricBuffer:
         if msg is not None:
             if mapping is not None:
                 mapping.release()
-            elif state is not None and hasattr(state, "close"):
+            elif state is not None and hasattr(state, "close"):  # host-shm: drop our view first
+                local = None
                 state.close()
                 state.unlink()
             raise SymmetricUnavailable(f"symmetric buffer for group {_group_name(pg) or '<local>'}: "

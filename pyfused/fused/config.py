@@ -33,8 +33,10 @@ ALL_REDUCE_CONFIGS = {
 }
 DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(256 << 10)  # 5-8 ranks
 
-# SMs the persistent GEMM of GEMM + reduce-scatter leaves free for the one-thread relay kernels
-# (wait on a local tile counter, signal the owner's flag) that run beside it on the comm stream.
+# SMs the persistent GEMMs of the fused schedules leave free for the one-thread kernels that must run
+# beside them on the comm stream: the relay of GEMM + reduce-scatter (wait on a local tile counter,
+# signal the owner's flag) and the chunk signals of all-gather + GEMM. A GEMM holding every SM while
+# it spins on peers' flags could otherwise starve the signals its peers' GEMMs are waiting for.
 RELAY_SMS = 2
 
 

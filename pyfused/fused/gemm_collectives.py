@@ -130,9 +130,14 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     if device.type != "cuda":
         _barrier(buf, CHAN_SYNC, epoch)
     order = [(r + i) % w for i in range(w)]
+    # The persistent GEMM spins on SMs waiting for peers' chunks, while this rank's own signal
+    # kernels (comm stream) must still find an SM for the peers' GEMMs to progress: leave some free.
+    programs = None
+    if device.type == "cuda":
+        programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count - config.RELAY_SMS)
     status = new_status(device)
     out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
-               flag_scope="sys", status=status)
+               flag_scope="sys", status=status, num_programs=programs)
     TIMEOUTS.watch(status, describe_gemm_timeout, "fused all_gather_matmul")
     streams.join_comm_stream(device)
     return out, (gathered.clone() if keep_gathered else None)
