@@ -71,7 +71,8 @@ step fused_w4 env PYFUSED_TEST_BACKEND=nccl $PY -m pytest -m gpu -q -ra $FUSED_T
 # the transport is NCCL over sockets here (tests/dist_pool.py sets a host id per rank).
 step tests_nccl env PYFUSED_TEST_BACKEND=nccl $PY -m pytest -q -ra \
   tests/test_all_gather_matmul.py tests/test_matmul_reduce_scatter.py tests/test_matmul_all_reduce.py \
-  tests/test_all_reduce_add_rmsnorm.py tests/test_validation.py
+  tests/test_all_reduce_add_rmsnorm.py tests/test_validation.py \
+  tests/test_ddp.py tests/test_ddp_sharded.py tests/test_ddp_kernels.py tests/test_clip_grad.py
 # compute-sanitizer over every fused kernel (driver: benchmarks/sanitize_fused.py). memcheck: out
 # of bounds / misaligned accesses, including through peers' mappings; racecheck: shared-memory
 # hazards (the block reductions, the barrier's CTA syncs).
@@ -82,6 +83,10 @@ step sanitize_mem_w2 $SAN --tool memcheck $PY benchmarks/sanitize_fused.py --wor
 step sanitize_race_w1 $SAN --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
 step sanitize_race_w2 $SAN --tool racecheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
 step bench $PY -m pyfused.bench --out "$RES/bench"
+# The op suites with 2 NCCL ranks on this one GPU: rows are labelled nccl-socket (a correctness
+# transport, ~GB/s): the fused rows' baseline there is torch symmetric memory, never these.
+step bench_w2 $PY -m pyfused.bench --world 2 --backend nccl \
+  --suites all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce,tp_mlp --out "$RES/bench_w2"
 step bench_arn_w2 $PY -m pyfused.bench --suites all_reduce_add_rmsnorm --world 2 --backend nccl \
   --out "$RES/bench_arn_w2"
 step bench_arn_w4 $PY -m pyfused.bench --suites all_reduce_add_rmsnorm --world 4 --backend nccl \

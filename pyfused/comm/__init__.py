@@ -5,6 +5,7 @@ from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
     world_size,
 )
+from .symmetric import SymmetricBuffer, SymmetricUnavailable, symmetric_status
 from .streams import comm_stream, join_comm_stream, keep_alive, on_comm_stream
 from .validate import (
     InputError, Signature, TensorMeta, agree, differs, exchange, op_code, set_validation,
@@ -13,6 +14,7 @@ from .validate import (
 
 __all__ = [
     "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
+    "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
