@@ -31,3 +31,16 @@ def _chunked(rank, world, chunks):
     y = matmul_all_reduce(a_all[rank], b_all[rank], method="decomposed", chunks=chunks)
     assert_close(y, matmul_all_reduce_ref(a_all, b_all))
     return True
+
+
+def test_default_chunks_keep_pieces_worth_their_latency():
+    from pyfused.ops._common import MIN_CHUNK_WORK, default_chunks
+
+    cpu, cuda = torch.device("cpu"), torch.device("meta")  # meta: any non-CPU device uses the GPU rule
+    min_flops = MIN_CHUNK_WORK["cpu"][0]
+    assert default_chunks(cpu, 512, flops=min_flops - 1) == 1          # too small to split at all
+    assert default_chunks(cpu, 512, flops=2 * min_flops) == 2
+    assert default_chunks(cpu, 512, flops=100 * min_flops) == 2        # CPU cap: gloo latency
+    assert default_chunks(cuda, 512, flops=100 * MIN_CHUNK_WORK["cuda"][0]) == 4
+    assert default_chunks(cuda, 3, flops=100 * MIN_CHUNK_WORK["cuda"][0]) == 3  # never more than rows
+    assert default_chunks(cpu, 64, nbytes=64 << 20) == 2 and default_chunks(cpu, 64, nbytes=1024) == 1

@@ -44,7 +44,6 @@ from .._logging import logger
 from . import _common, _fused
 
 OP = "all_reduce_add_rmsnorm"
-DEFAULT_CHUNKS = 4
 UNKNOWN_METHOD = len(_common.METHODS)
 
 
@@ -102,7 +101,8 @@ def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps:
     if method == "fused":
         return _fused.run(OP, x, residual, weight, eps, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
-        n = max(1, min(chunks or DEFAULT_CHUNKS, x.shape[0]))
+        n = chunks or _common.default_chunks(x.device, x.shape[0], nbytes=x.numel() * x.element_size())
+        n = max(1, min(n, x.shape[0]))
         return chunked_all_reduce_add_rmsnorm(x, residual, weight, eps, pg, n)
     return _unfused(x, residual, weight, eps, pg)
 

@@ -8,7 +8,9 @@ Methods
   * unfused: one GEMM, then ``all_reduce``.
   * decomposed: the rows are cut into ``chunks`` pieces; as soon as piece i's GEMM is queued its
     all-reduce is launched asynchronously, so it runs while piece i+1 is multiplied. The all-reduces
-    are joined at the end.
+    are joined at the end. By default (``chunks=0``, no tuned entry) pieces are kept large enough
+    to hide a collective's fixed latency (``_common.default_chunks``): a small GEMM on CPU gets one
+    piece, i.e. GEMM then an async all-reduce -- the unfused cost, never more.
   * fused: symmetric-memory kernels (``pyfused.ops._fused``), where built.
 
 Autograd follows the tensor-parallel convention (Megatron's row-parallel layer): the output is
@@ -27,7 +29,6 @@ from .. import comm
 from . import _common, _fused
 
 OP = "matmul_all_reduce"
-DEFAULT_CHUNKS = 4
 
 
 def matmul_all_reduce_ref(a_per_rank: Sequence[Tensor], b_per_rank: Sequence[Tensor]) -> Tensor:
@@ -64,7 +65,9 @@ def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, ch
     if method == "fused":
         return _fused.run(OP, a, b, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
-        return chunked_matmul_all_reduce(a, b, pg, max(1, min(chunks or DEFAULT_CHUNKS, a.shape[0])))
+        n = chunks or _common.default_chunks(a.device, a.shape[0],
+                                             flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1])
+        return chunked_matmul_all_reduce(a, b, pg, max(1, min(n, a.shape[0])))
     return _unfused(a, b, pg)
 
 
