@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pyfused import comm
 from pyfused.bench.harness import op_row, time_fn
 
 MULTI_RANK = True
@@ -147,8 +148,7 @@ def step_fn(model, opt, x, y, amp_dtype) -> Callable[[], None]:
 def comm_alone(pattern: str, ctx, bucket_numels: List[int], padded: List[int]) -> Callable[[], None]:
     """The variant's collectives on buffers of its bucket sizes, launched back to back, waited."""
     dev, g, w = ctx.device, ctx.group, ctx.world
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter, all_gather = comm.reduce_scatter_single, comm.all_gather_single
     full = [torch.zeros(n, device=dev) for n in padded]
     shards = [torch.zeros(n // w, device=dev) for n in padded]
     if pattern in ("allreduce", "allreduce-bf16", "zero1"):

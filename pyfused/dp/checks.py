@@ -118,7 +118,7 @@ def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]
     dev = comm.comm_device(pg)
     mine = torch.tensor([_digest(d) for d in descs[:common]] or [0], dtype=torch.int64, device=dev)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(every, mine, group=pg)
+    comm.all_gather_single(every, mine, group=pg)
     table = every.view(world, -1).cpu()
     idx = common
     if common:

@@ -48,7 +48,6 @@ from . import bucket_copy
 from .buckets import Bucket
 from .status import StatusExchange
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Reducer:
@@ -292,7 +291,7 @@ class Reducer:
                 if self.sharded:
                     b.extra["shard_out"].copy_(buf)
             elif self.sharded:
-                b.work = _reduce_scatter(b.extra["shard_out"], buf, group=self.pg, async_op=True)
+                b.work = comm.reduce_scatter_single(b.extra["shard_out"], buf, group=self.pg, async_op=True)
             else:
                 b.work = dist.all_reduce(buf, group=self.pg, async_op=True)
         b.launched = True

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -41,7 +40,6 @@ from .._logging import logger
 from ..comm import Signature
 from .buckets import Bucket
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # torch.optim classes whose update of an element depends only on that element's own history (and on
 # step counts and hyper-parameters): sharding their parameters elementwise changes nothing.
@@ -202,7 +200,7 @@ class ShardedState:
                 buf[lo:hi].copy_(b.extra["master"])
             if self.pg is None or self.world == 1:
                 continue
-            self.pending[k] = _all_gather(buf, buf[lo:hi], group=self.pg, async_op=True)
+            self.pending[k] = comm.all_gather_single(buf, buf[lo:hi], group=self.pg, async_op=True)
 
     # ------------------------------------------------------------------ gathers
     def _pre_forward_hook(self, needs: List[int]):
