@@ -212,3 +212,46 @@ def _fp16_scaler(rank, world):
 
 def test_fp16_grad_scaler_sharded(ranks):
     assert all(ranks.run(2, _fp16_scaler, timeout=TIMEOUT))
+
+
+def _fp16_plain_scaler(rank, world):
+    """torch's plain GradScaler with the sharded optimizer: an overflow in one rank's shard must make
+    every rank skip the step (pyfused agrees on non-finite shards after backward), so training still
+    equals torch DDP and nothing hangs."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from pyfused.layers import DistributedDataParallel
+    from tests.utils import assert_close
+
+    base = H.build("mlp", 9)
+    ref = TorchDDP(copy.deepcopy(base))
+    mine = DistributedDataParallel(copy.deepcopy(base), **SHARD)
+    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2),
+            mine.wrap_optimizer(torch.optim.AdamW(mine.parameters(), lr=1e-2))]
+    dev = device_of_ranks().type
+    scalers = [torch.amp.GradScaler(dev, init_scale=1024.0), torch.amp.GradScaler(dev, init_scale=1024.0)]
+    for s in range(4):
+        x, y = H.batch("mlp", 9, s, rank)
+        for m, opt, scaler in zip((ref, mine), opts, scalers):
+            opt.zero_grad()
+            with torch.autocast(dev, dtype=torch.float16):
+                out = m(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            if s == 2 and rank == 1:  # overflows one element of fc3.bias's gradient only
+                loss = loss + 1e38 * m.module.fc3.bias[0]
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), s
+    assert scalers[0].get_scale() < 1024.0  # the overflow step was skipped
+    mine.synchronize_params()
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert_close(q, p, torch.float32, f"fp16-scaled parameter {n}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_plain_grad_scaler_sharded_does_not_hang(ranks, world):
+    assert all(ranks.run(world, _fp16_plain_scaler, timeout=TIMEOUT))

@@ -73,6 +73,7 @@ class Reducer:
                 self.loc[s.param] = (b, k)
         self.on_shard_reduced: Optional[Callable[[Bucket, set], None]] = None  # set by ShardedState
         self.on_bucket_launched: Optional[Callable[[Bucket], None]] = None
+        self.on_all_reduced: Optional[Callable[[], None]] = None  # set by ShardedState
         use_kernel, why = bucket_copy.kernel_available(device, [b.dtype for b in buckets])
         if not use_kernel:
             level = logging.INFO if device.type == "cuda" else logging.DEBUG
@@ -322,6 +323,8 @@ class Reducer:
             global_used, problem = self.status.read(self.dups)
             for b in self.buckets:
                 self._complete(b, global_used)
+            if self.on_all_reduced is not None and not problem:
+                self.on_all_reduced()
         finally:
             self.in_backward = False
             self.used = bytearray(len(self.params))

@@ -87,6 +87,7 @@ class DistributedDataParallel(nn.Module):
             self._sharded = ShardedState(params, self._bucket_list, pg, self.device, module,
                                          self.reducer)
             self.reducer.on_shard_reduced = self._sharded.on_shard_reduced
+            self.reducer.on_all_reduced = self._sharded.agree_nonfinite
             self.register_load_state_dict_post_hook(lambda *_: self._sharded.refresh_masters())
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
