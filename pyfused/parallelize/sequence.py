@@ -27,8 +27,11 @@ replicated and its consumers' column layers all-reduce their input gradients, Me
 
 Attention modules that read their *input's* shape (transformers' LlamaAttention does
 ``hidden_states.shape[:-1]``) cannot take a shard: for them the plan style ``attention`` gathers the
-input once at the module's entry (``gather_from_sequence_shard``) and their q/k/v projections are
-column layers with a replicated input; GPT2Attention takes all shapes from its fused ``c_attn``
+input once at the module's entry (``gather_for_local_columns``: all-gather, backward one
+reduce-scatter) and their q/k/v projections are plain local GEMMs on that gathered input
+(``LocalInputColumn``): autograd sums the three projections' input gradients on each rank, and the
+one reduce-scatter both adds them over the group and returns this rank's slice -- Megatron's
+sequence-parallel rule, instead of one all-reduce per projection; GPT2Attention takes all shapes from its fused ``c_attn``
 output, so its projection gathers the shard itself, overlapped with the GEMM.
 
 Parameters replicated across the TP group that see only the local shard's tokens (the norms inside
@@ -96,6 +99,31 @@ class _GatherFromSequenceShard(torch.autograd.Function):
         return g.transpose(0, 1)[r * n:(r + 1) * n].contiguous(), None
 
 
+class _GatherForLocalColumns(torch.autograd.Function):
+    """``[s/W, b, h]`` shard -> ``[b, s, h]`` for consumers that are all local column shards
+    (``LocalInputColumn``). Their input gradients are per-rank partial sums, so backward
+    reduce-scatters them: sum over the group, keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pg):
+        ctx.pg = pg
+        return _all_gather_dim0(x, pg).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        g = g.transpose(0, 1).contiguous()
+        w = comm.world_size(ctx.pg)
+        if w == 1:
+            return g, None
+        out = g.new_empty((g.shape[0] // w, *g.shape[1:]))
+        comm.reduce_scatter_single(out, g, group=ctx.pg)
+        return out, None
+
+
+def gather_for_local_columns(x: Tensor, pg) -> Tensor:
+    return _GatherForLocalColumns.apply(x, pg)
+
+
 def scatter_to_sequence_shard(x: Tensor, pg) -> Tensor:
     return _ScatterToSequenceShard.apply(x, pg)
 
@@ -113,6 +141,14 @@ class SequenceParallelColumn(ColumnParallelLinear):
             raise ValueError(f"{type(self).__name__}: expected a [s/W, b, in] sequence shard, got "
                              f"{tuple(x.shape)}")
         return super().forward(x).transpose(0, 1)
+
+
+class LocalInputColumn(ColumnParallelLinear):
+    """A column shard applied to an input that ``gather_for_local_columns`` produced: a plain local
+    GEMM, no communication (that gather's backward reduce-scatters the input gradient)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 class SequenceParallelRow(RowParallelLinear):

@@ -19,7 +19,8 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from .embedding import VocabParallelEmbedding
 from .plans import ATTENTION_STYLES, HEAD_ATTRIBUTES, LINEAR_STYLES, ResolvedPlan, is_conv1d
 from .sequence import (
-    SequenceParallelColumn, SequenceParallelRow, gather_from_sequence_shard, scatter_to_sequence_shard,
+    LocalInputColumn, SequenceParallelColumn, SequenceParallelRow, gather_for_local_columns,
+    gather_from_sequence_shard, scatter_to_sequence_shard,
     sum_grad_over_group,
 )
 from .shard import ShardSpec
@@ -199,9 +200,10 @@ class TensorParallel:
         else:
             gather = style == "colwise_gather_output"
             # in the SP region a column layer gathers the shard itself, unless an enclosing
-            # 'attention' module already gathered its input (then the input is replicated)
+            # 'attention' module already gathered its input (then it is a local GEMM on it)
             seq = in_region and not gather and attention != "attention"
-            cls = SequenceParallelColumn if seq else ColumnParallelLinear
+            local = in_region and not gather and attention == "attention"
+            cls = SequenceParallelColumn if seq else LocalInputColumn if local else ColumnParallelLinear
             new = cls(fin, fout, has_bias, group=self.pg, gather_output=gather, sequence_parallel=seq,
                       **factory)
             wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv)
@@ -227,9 +229,9 @@ class TensorParallel:
 
     def _gather_input(self, module, args, kwargs):
         if "hidden_states" in kwargs:
-            kwargs = dict(kwargs, hidden_states=gather_from_sequence_shard(kwargs["hidden_states"], self.pg))
+            kwargs = dict(kwargs, hidden_states=gather_for_local_columns(kwargs["hidden_states"], self.pg))
         elif args:
-            args = (gather_from_sequence_shard(args[0], self.pg), *args[1:])
+            args = (gather_for_local_columns(args[0], self.pg), *args[1:])
         else:
             raise ValueError(f"{type(module).__name__}: no hidden_states input to gather")
         return args, kwargs
