@@ -1,5 +1,8 @@
-"""Drop-in parallel modules: tensor-parallel linears and data parallel."""
+"""Drop-in parallel modules: tensor-parallel linears, data parallel, and (re-exported from
+``pyfused.pipeline``, where they live) the pipeline stage and schedules."""
 from .linear import ColumnParallelLinear, RowParallelLinear
+
+_PIPELINE = ("PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 
 
 def __getattr__(name):
@@ -7,7 +10,11 @@ def __getattr__(name):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name in _PIPELINE:
+        from .. import pipeline
+
+        return getattr(pipeline, name)
     raise AttributeError(f"module 'pyfused.layers' has no attribute {name!r}")
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "DistributedDataParallel"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "DistributedDataParallel", *_PIPELINE]
