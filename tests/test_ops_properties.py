@@ -137,25 +137,3 @@ def test_signature_round_trip(op, ints, shapes):
                     for s in shapes)
     sig = Signature(op_code(op), tuple(ints), tensors)
     assert Signature.decode(sig.encode()) == sig
-
-
-def _host_mirror(rank, world):
-    """The gloo mirror the validation exchange uses for NCCL groups: created by the group's members
-    only (ranks of the other subgroup never call it) and it exchanges in group-rank order."""
-    import torch.distributed as dist
-
-    from pyfused.comm import all_gather_single
-    from pyfused.comm.group import make_host_mirror
-
-    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    pg = groups[rank % 2]
-    if rank % 2 == 0:  # only the even subgroup builds a mirror: the odd ranks must not be needed
-        mirror = make_host_mirror(pg)
-        out = torch.empty(2, dtype=torch.int64)
-        all_gather_single(out, torch.tensor([rank]), group=mirror)
-        assert out.tolist() == [0, 2]
-    return True
-
-
-def test_host_mirror_of_a_subgroup(ranks):
-    assert all(ranks.run(4, _host_mirror, timeout=60))

@@ -2,8 +2,7 @@
 from .collectives import all_gather_single, reduce_scatter_single
 from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
-    LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, host_group, rank,
-    resolve_group,
+    LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
     world_size,
 )
 from .symmetric import SymmetricBuffer, SymmetricUnavailable, symmetric_status
@@ -17,7 +16,7 @@ __all__ = [
     "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
     "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
-    "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name", "host_group",
+    "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
     "set_validation", "validation_enabled", "world_size",
 ]

@@ -11,7 +11,7 @@ functional collectives do); ``LOCAL`` (the empty string) names the local group o
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,30 +83,3 @@ def comm_device(pg: Optional[dist.ProcessGroup]) -> torch.device:
     if "gloo" in backend or "cuda" not in backend and "nccl" not in backend:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-_host_groups: Dict[str, dist.ProcessGroup] = {}
-
-
-def host_group(pg: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A group over ``pg``'s ranks whose backend serves CPU tensors: ``pg`` itself where it does
-    (gloo), else a gloo mirror created on first use and cached.
-
-    Small control exchanges (the per-call input validation) run here, so they never put a device
-    tensor between the host and the GPU: reading an NCCL result back on the host would wait for all
-    work queued on the GPU and stop the CPU from running ahead. The mirror is made with
-    ``use_local_synchronization=True``, so only ``pg``'s members take part in creating it -- which
-    they all do, at the first pyfused call on ``pg``.
-    """
-    if pg is None or comm_device(pg).type == "cpu":
-        return pg
-    name = pg.group_name
-    if name not in _host_groups:
-        _host_groups[name] = make_host_mirror(pg)
-    return _host_groups[name]
-
-
-def make_host_mirror(pg: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new gloo group over the same ranks as ``pg`` (collective over ``pg``'s members only)."""
-    return dist.new_group(dist.get_process_group_ranks(pg), backend="gloo",
-                          use_local_synchronization=True)

@@ -8,8 +8,7 @@ runs the same check over the same list. The error message is a pure function of 
 rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
 whether a fast path is usable everywhere) are made from the gathered list too.
 
-The exchange costs one tiny host-side collective per call (on a gloo mirror of an NCCL group,
-``comm.host_group``, so it never waits for the GPU). ``set_validation(False)``
+The exchange costs one tiny collective per call (and a host sync on NCCL). ``set_validation(False)``
 or ``PYFUSED_VALIDATE=0`` skips it for scripts known to be correct: the local checks still run, but
 ranks that disagree on shapes may then hang, as they would with plain torch.distributed.
 """
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_single
-from .group import host_group, world_size
+from .group import comm_device, world_size
 
 MAX_DIMS = 8
 SIG_LEN = 96
@@ -132,10 +131,10 @@ def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]
     encoded = sig.encode()
     if world_size(pg) == 1 or not _enabled:
         return [sig]
-    # On the host (a gloo mirror of an NCCL group): no device sync, the GPU queue keeps running.
-    mine = torch.tensor(encoded, dtype=torch.int64)
-    every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64)
-    all_gather_single(every, mine, group=host_group(pg))
+    dev = comm_device(pg)
+    mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
+    every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
+    all_gather_single(every, mine, group=pg)
     rows = every.view(world_size(pg), SIG_LEN).tolist()
     return [Signature.decode(r) for r in rows]
 
