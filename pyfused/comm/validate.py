@@ -8,7 +8,13 @@ runs the same check over the same list. The error message is a pure function of 
 rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
 whether a fast path is usable everywhere) are made from the gathered list too.
 
-The exchange costs one tiny collective per call (and a host sync on NCCL). ``set_validation(False)``
+The exchange costs one tiny collective per call and, on NCCL, a host sync (the result is read on
+the host, so the CPU waits for the GPU work queued before the op). Running it on a gloo mirror of the
+group would avoid the sync, but a mirror created lazily by the group's members alone (torch's
+``use_local_synchronization``) advances torch's group counter on those ranks only, after which the
+next ``new_group`` gets different names on different ranks and hangs; a mirror would have to be made
+by every rank at start-up. Until then, GPU users who want the CPU to run ahead turn validation off
+once their script is known to be correct. ``set_validation(False)``
 or ``PYFUSED_VALIDATE=0`` skips it for scripts known to be correct: the local checks still run, but
 ranks that disagree on shapes may then hang, as they would with plain torch.distributed.
 """
