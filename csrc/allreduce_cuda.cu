@@ -38,27 +38,16 @@
 #include <cstdio>
 
 #include "allreduce.h"
+#include "ptx_sync.cuh"
 
 namespace pyfused {
 namespace {
 
 using namespace symm;
 
-__device__ __forceinline__ void st_release_sys(int32_t* addr, int32_t value) {
-  asm volatile("st.release.sys.s32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ int32_t ld_acquire_sys(const int32_t* addr) {
-  int32_t value;
-  asm volatile("ld.acquire.sys.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using pyfused_ptx::globaltimer_ns;
+using pyfused_ptx::ld_acquire_sys;
+using pyfused_ptx::st_release_sys;
 
 // The cold path of a barrier wait, out of line: printf's argument buffer would otherwise sit on
 // every kernel's stack and cost registers in the hot loops.

@@ -39,38 +39,25 @@
 #include <cstdio>
 
 #include "flags.h"
+#include "ptx_sync.cuh"
 
 namespace pyfused {
 namespace {
 
-// Generic addressing (no .global): the flag may live in device memory, peer-mapped memory or
-// host-mapped pinned memory.
-__device__ __forceinline__ void store_release_sys(int32_t* addr, int32_t value) {
-  asm volatile("st.release.sys.s32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ int32_t load_acquire_sys(const int32_t* addr) {
-  int32_t value;
-  asm volatile("ld.acquire.sys.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using pyfused_ptx::globaltimer_ns;
+using pyfused_ptx::ld_acquire_sys;
+using pyfused_ptx::st_release_sys;
 
 __global__ void signal_flag_kernel(int32_t* flag, int32_t value) {
   __threadfence_system();  // step 1: earlier writes before the flag, system-wide
-  store_release_sys(flag, value);
+  st_release_sys(flag, value);
 }
 
 __global__ void wait_flag_kernel(const int32_t* flag, int32_t value, uint64_t timeout_ns,
                                  int64_t index) {
   const uint64_t start = globaltimer_ns();
   int32_t seen;
-  while ((seen = load_acquire_sys(flag)) < value) {
+  while ((seen = ld_acquire_sys(flag)) < value) {
     if (timeout_ns != 0 && globaltimer_ns() - start > timeout_ns) {
       printf("pyfused::wait_flag timed out after %llu ms: flags[%lld] is %d, waiting for >= %d. "
              "Is the signal ordered after this wait (same stream, or an event recorded after "
