@@ -253,29 +253,26 @@ def _split(tensors, m: int) -> List[tuple]:
     return [tuple(t.narrow(0, i * b, b) for t in tensors) for i in range(m)]
 
 
-class ScheduleGPipe(_PipelineSchedule):
+class _SingleStageSchedule(_PipelineSchedule):
+    """A schedule of one stage per rank (torch's single-stage constructor signature)."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 scale_grads: bool = True, *, lookahead: int = DEFAULT_LOOKAHEAD):
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads, lookahead,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec)
+
+
+class ScheduleGPipe(_SingleStageSchedule):
     """All forwards, then all backwards (fill-drain). Memory: every microbatch's activations."""
     _schedule = "gpipe"
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None,
-                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
-                 scale_grads: bool = True, *, lookahead: int = DEFAULT_LOOKAHEAD):
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads, lookahead,
-                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec)
 
-
-class Schedule1F1B(_PipelineSchedule):
+class Schedule1F1B(_SingleStageSchedule):
     """One forward, one backward in the steady state; at most ``p - rank`` microbatches in flight.
     Unlike torch, ``n_microbatches < num_stages`` is allowed (the warm-up is then shorter)."""
     _schedule = "1f1b"
-
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None,
-                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
-                 scale_grads: bool = True, *, lookahead: int = DEFAULT_LOOKAHEAD):
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads, lookahead,
-                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec)
 
 
 class ScheduleInterleaved1F1B(_PipelineSchedule):
