@@ -137,6 +137,19 @@ def test_invalid_arguments():
         multi_source_reduce(torch.stack(srcs))
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs CPU tensors")
+def test_broken_interpreter_is_named_not_hit(monkeypatch):
+    """The interpreter probe passes here (else every CPU kernel test would fail with it), and a
+    broken one (triton 3.6 + numpy >= 2.4, seen on the device's versions) stops a launch with the
+    probe's reason instead of a TypeError from deep inside the interpreter."""
+    from pyfused.ops import reduce as reduce_mod
+
+    assert reduce_mod.interpreter_problem() is None
+    monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: "interpreter is broken: probe")
+    with pytest.raises(RuntimeError, match="multi_source_reduce: interpreter is broken"):
+        multi_source_reduce(_rows(2, 10, 16, torch.float32, seed=3))
+
 # ------------------------------------------------------------------------------------------------
 # GPU variants compiled ahead of time (no GPU needed)
 # ------------------------------------------------------------------------------------------------

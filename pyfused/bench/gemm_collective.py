@@ -4,7 +4,11 @@ For each shape, in one run and on the same inputs:
   * the op's whole GEMM alone (``T_gemm``) and its collective alone (``T_comm``), as rows
     "gemm alone" and "<collective> alone" -- the parts the overlap efficiency is measured against;
   * every method: unfused (the baseline), decomposed, fused (a row "unavailable: <reason>" where it
-    cannot run, never a made-up number) and auto (its note says what it chose and why).
+    cannot run, never a made-up number) and auto (its note says what it chose and why);
+  * on CUDA with several ranks, the same op on torch symmetric memory (``peers.py``): the collective
+    alone, GEMM-then-collective, and torch's own fused op (async-TP). The fused method's speedup and
+    overlap efficiency are then computed against those -- its own transport -- not against the
+    process group's backend, which on the one-GPU testbed is NCCL over sockets.
 Each method's output is first checked against the unfused one (the same check on every rank, so a
 wrong result fails the suite everywhere instead of being timed). The parts and the methods are then
 timed round-robin (``time_interleaved``), so none of them is favoured by when it ran.
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 from .. import comm, ops
 from ..ops import _common
+from . import peers
 from .harness import BenchContext, op_row, tensor_bytes, time_interleaved
 
 COLLECTIVE = {
@@ -112,6 +117,11 @@ def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
     for method in METHODS:
         if method not in unavailable:
             timed[method] = (lambda m=method: fn(a, b, ctx.group, method=m))
+    symm = None
+    if peers.status(ctx) is None:
+        symm = peers.build(op, ctx, a, b, m_full, collective)
+        peers.check(symm, ref, ctx, CHECK_TOL.get(dtype, 5e-2))
+        timed.update({f"symm:{label}": part[0] for label, part in symm.parts.items()})
     t = time_interleaved(timed, ctx)
 
     t_gemm, t_comm, t_unfused = t["gemm"], t.get("comm"), t["unfused"]
@@ -120,14 +130,50 @@ def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
     if t_comm is not None:
         rows.append(op_row(ctx, **{**common, "flop": 0.0}, method=f"{collective} alone",
                            transport=ctx.transport, ms=t_comm))
+    symm_comm = symm_base = None
+    if symm is not None:
+        t_symm = {label: t[f"symm:{label}"] for label in symm.parts}
+        symm_comm = peers.best(t_symm, peers.ALONE.format(collective=collective))
+        symm_base = peers.best(t_symm, peers.UNFUSED)
     for method in METHODS:
         if method in unavailable:
             rows.append(op_row(ctx, **common, method=method, transport=transports[method],
                                ms=None, status=unavailable[method]))
+            continue
+        base, comm_ms, note = t_unfused, t_comm, notes.get(method, "")
+        if transports[method] == peers.TRANSPORT and transports[method] != ctx.transport:
+            # Compare with the same transport: torch's symm-mem collective, where it ran.
+            base = symm_base[1] if symm_base else None
+            comm_ms = symm_comm[1] if symm_comm else None
+            same = (f"speedup vs '{symm_base[0]}', overlap vs '{symm_comm[0]}' (same transport)"
+                    if symm_base and symm_comm else
+                    f"no {peers.TRANSPORT} baseline ran here, so no speedup against "
+                    f"{ctx.transport} is reported")
+            note = f"{note}; {same}" if note else same
+        rows.append(op_row(ctx, **common, method=method, transport=transports[method],
+                           ms=t[method], t_baseline=base, t_gemm=t_gemm, t_comm=comm_ms, note=note))
+    if symm is not None:
+        rows += symm_rows(ctx, common, symm, t_symm, symm_base, symm_comm, t_gemm, collective)
+    return rows
+
+
+def symm_rows(ctx, common, symm, t_symm, symm_base, symm_comm, t_gemm, collective) -> List[Dict]:
+    """The torch symmetric-memory rows of one shape (peers.py): speedups against the faster
+    GEMM-then-collective on symmetric memory, overlap against the faster collective alone."""
+    rows = []
+    alone = peers.ALONE.format(collective=collective)
+    for label, (_, note) in symm.parts.items():
+        if label.startswith(alone):
+            rows.append(op_row(ctx, **{**common, "flop": 0.0}, method=label,
+                               transport=peers.TRANSPORT, ms=t_symm[label], note=note))
         else:
-            rows.append(op_row(ctx, **common, method=method, transport=transports[method],
-                               ms=t[method], t_baseline=t_unfused, t_gemm=t_gemm, t_comm=t_comm,
-                               note=notes.get(method, "")))
+            rows.append(op_row(ctx, **common, method=label, transport=peers.TRANSPORT,
+                               ms=t_symm[label], t_baseline=symm_base[1] if symm_base else None,
+                               t_gemm=t_gemm, t_comm=symm_comm[1] if symm_comm else None,
+                               note=note))
+    for label, why in symm.unavailable.items():
+        rows.append(op_row(ctx, **common, method=label, transport=peers.TRANSPORT, ms=None,
+                           status=why))
     return rows
 
 

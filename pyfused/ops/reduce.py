@@ -15,6 +15,8 @@ without it; ``check_backend`` refuses both with a clear message.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -95,6 +97,37 @@ def check_backend(device: torch.device, kernel, what: str) -> None:
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(f"{what}: tensors on {device} run only in the Triton interpreter; set "
                            f"TRITON_INTERPRET=1 before pyfused.kernels is imported, or use CUDA tensors")
+    if interpreted:
+        problem = interpreter_problem()
+        if problem:
+            raise RuntimeError(f"{what}: {problem}")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> Optional[str]:
+    """Why this Triton's interpreter cannot run pyfused's kernels (None: it can), found by running
+    the construct they need: a loop bounded by ``tl.program_id``. Triton 3.6's interpreter turns
+    such a bound into an int with ``int(<1-element array>)``, which NumPy >= 2.4 refuses (later
+    Triton squeezes the array first)."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(out_ptr, n):
+        for i in range(tl.program_id(0), n, tl.num_programs(0)):
+            tl.store(out_ptr + i, i + 1)
+
+    out = torch.zeros(2, dtype=torch.int32)
+    try:
+        probe[(1,)](out, 2)
+    except Exception as e:  # noqa: BLE001 -- whatever it is, the kernels would hit it too
+        return (f"the Triton interpreter (triton {triton.__version__}, numpy {np.__version__}) fails "
+                f"on a loop bounded by tl.program_id: {type(e).__name__}: {e}. Known case: triton "
+                f"3.6 with numpy >= 2.4 (pip install 'numpy<2.4', or triton >= 3.8)")
+    if out.tolist() != [1, 2]:
+        return f"the Triton interpreter computed {out.tolist()} for a probe loop instead of [1, 2]"
+    return None
 
 
 def chunk_rows_of(m: int, num_chunks: int) -> int:

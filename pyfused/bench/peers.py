@@ -1,0 +1,178 @@
+"""Baselines on the fused method's own transport: torch symmetric memory (async-TP) rows.
+
+The fused method moves data through symmetric memory (peers' buffers mapped into every rank), the
+unfused and decomposed methods through the process group's backend. Where that backend is slower
+than symmetric memory -- NCCL over sockets between ranks that share one GPU, the project's testbed
+(docs/TESTBED.md) -- "fused vs unfused" would credit the kernel with the transport's difference. So
+for every shape, where torch symmetric memory runs, the op suites also time, on symmetric memory:
+
+  * the op's collective alone, by torch's symm-mem op (``<collective> alone``; for the all-reduce the
+    faster of torch's one-shot and two-shot kernels): the ``T_comm`` of the fused row's overlap
+    efficiency;
+  * ``unfused (torch symm-mem)``: the GEMM, then that collective, back to back: the fused row's
+    speedup baseline (same transport);
+  * torch's own fused ops where torch has one (``torch fused_all_gather_matmul``,
+    ``torch fused_matmul_reduce_scatter``: PyTorch async-TP), the peer to beat.
+
+Every part's output is checked against the unfused method's before it is timed, and a part that
+fails on any rank is dropped on every rank (with its reason in an "unavailable" row), so the ranks
+stay in step. None of this runs off CUDA: there the rows are absent and the fused row says why it
+cannot run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .harness import BenchContext
+
+TRANSPORT = "symm-mem"
+
+# (op, what) -> row label
+ALONE = "{collective} alone"
+UNFUSED = "unfused (torch symm-mem)"
+TORCH_FUSED = {
+    "all_gather_matmul": "torch fused_all_gather_matmul",
+    "matmul_reduce_scatter": "torch fused_matmul_reduce_scatter",
+}
+
+
+@dataclass
+class SymmParts:
+    """What the suite times on symmetric memory for one shape. ``parts`` maps a label to
+    (callable, note); ``outputs`` maps a label to a callable producing the op's output (for the
+    correctness check), where the part computes one."""
+    parts: Dict[str, tuple] = field(default_factory=dict)
+    outputs: Dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    unavailable: Dict[str, str] = field(default_factory=dict)
+
+
+def status(ctx: BenchContext) -> Optional[str]:
+    """Why torch symmetric-memory baselines cannot run here (None: they can be tried). The same on
+    every rank: it depends on the device type, the world size and the torch build only."""
+    if ctx.world == 1:
+        return "one rank: nothing to communicate"
+    if ctx.device.type != "cuda":
+        return f"torch symmetric memory needs CUDA tensors (here: {ctx.device.type})"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    except ImportError as e:
+        return f"this torch has no symmetric memory ({e})"
+    needed = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter", "one_shot_all_reduce",
+              "two_shot_all_reduce_", "_low_contention_all_gather", "_low_contention_reduce_scatter")
+    missing = [n for n in needed if not hasattr(symm_ops(), n)]
+    if missing:
+        return f"this torch's torch.ops.symm_mem lacks {', '.join(missing)}"
+    return None
+
+
+def symm_ops():
+    """torch's symmetric-memory op namespace (a function, so tests can stand gloo ops in for it)."""
+    return torch.ops.symm_mem
+
+
+def _symm_tensor(shape, dtype, device, group) -> torch.Tensor:
+    """A tensor in torch symmetric memory, rendezvoused over ``group`` (a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    t = symm_mem.empty(shape, dtype=dtype, device=device)
+    t.zero_()  # zeros: the in-place two-shot all-reduce, repeated, then stays finite
+    symm_mem.rendezvous(t, group.group_name)
+    return t
+
+
+def build(op: str, ctx: BenchContext, a: torch.Tensor, b: torch.Tensor, m_full: int,
+          collective: str) -> SymmParts:
+    """The symmetric-memory parts of ``op`` for inputs ``a``, ``b`` (collective: every rank calls it
+    with the same shapes). Call only where ``status(ctx)`` is None."""
+    sm = symm_ops()
+    gn = ctx.group.group_name
+    n, w = b.shape[1], ctx.world
+    out = SymmParts()
+    alone = ALONE.format(collective=collective)
+    if op == "all_gather_matmul":
+        shard = _symm_tensor(tuple(a.shape), a.dtype, a.device, ctx.group)
+        shard.copy_(a)
+        out.parts[alone] = (lambda: sm._low_contention_all_gather(shard, gn),
+                            "torch symm_mem._low_contention_all_gather (copy engine)")
+        out.parts[UNFUSED] = (lambda: sm._low_contention_all_gather(shard, gn) @ b,
+                              "_low_contention_all_gather, then the GEMM")
+        out.outputs[UNFUSED] = out.parts[UNFUSED][0]
+        fused = (lambda: sm.fused_all_gather_matmul(a, [b], 0, gn, return_A=False)[1][0])
+    elif op == "matmul_reduce_scatter":
+        full = _symm_tensor((m_full, n), a.dtype, a.device, ctx.group)
+
+        def unfused():
+            torch.matmul(a, b, out=full)
+            return sm._low_contention_reduce_scatter(full, "sum", gn)
+
+        out.parts[alone] = (lambda: sm._low_contention_reduce_scatter(full, "sum", gn),
+                            "torch symm_mem._low_contention_reduce_scatter")
+        out.parts[UNFUSED] = (unfused, "the GEMM, then _low_contention_reduce_scatter")
+        out.outputs[UNFUSED] = unfused
+        fused = (lambda: sm.fused_matmul_reduce_scatter(a, b, "sum", 0, gn))
+    elif op == "matmul_all_reduce":
+        buf = _symm_tensor((m_full, n), a.dtype, a.device, ctx.group)
+
+        def one_shot():
+            torch.matmul(a, b, out=buf)
+            return sm.one_shot_all_reduce(buf, "sum", gn)
+
+        def two_shot():
+            torch.matmul(a, b, out=buf)
+            return sm.two_shot_all_reduce_(buf, "sum", gn)
+
+        out.parts[alone + " [one-shot]"] = (lambda: sm.one_shot_all_reduce(buf, "sum", gn),
+                                            "torch symm_mem.one_shot_all_reduce")
+        out.parts[alone + " [two-shot]"] = (lambda: sm.two_shot_all_reduce_(buf, "sum", gn),
+                                            "torch symm_mem.two_shot_all_reduce_ (in place)")
+        out.parts[UNFUSED + " [one-shot]"] = (one_shot, "the GEMM, then one_shot_all_reduce")
+        out.parts[UNFUSED + " [two-shot]"] = (two_shot, "the GEMM, then two_shot_all_reduce_")
+        out.outputs[UNFUSED + " [one-shot]"] = one_shot
+        out.outputs[UNFUSED + " [two-shot]"] = lambda: two_shot().clone()
+        fused = None
+    else:
+        raise ValueError(f"no symmetric-memory baselines for {op!r}")
+    if fused is not None:
+        out.parts[TORCH_FUSED[op]] = (fused, "PyTorch async-TP")
+        out.outputs[TORCH_FUSED[op]] = fused
+    return out
+
+
+def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) -> None:
+    """Run every part once; drop (on every rank) any part that raised or whose output differs from
+    ``ref`` (the unfused method's) by more than ``tol`` relative to max|ref| on any rank."""
+    for label in list(parts.parts):
+        why = ""
+        try:
+            if label in parts.outputs:
+                got = parts.outputs[label]()
+                err = ((got.double() - ref.double()).abs().max().item()
+                       / max(ref.double().abs().max().item(), 1e-30))
+                if not (math.isfinite(err) and err <= tol):
+                    why = f"output differs from method='unfused' by {err:.3g} (allowed {tol:g})"
+            else:
+                parts.parts[label][0]()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+        except Exception as e:  # noqa: BLE001 -- any failure drops the row, with its reason
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        failed = torch.tensor([1.0 if why else 0.0],
+                              device=ctx.device if ctx.backend == "nccl" else "cpu")
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.group)
+        if failed.item():
+            parts.unavailable[label] = f"unavailable: {why or 'failed on another rank'}"
+            del parts.parts[label]
+
+
+def best(times: Dict[str, float], prefix: str) -> Optional[tuple]:
+    """(label, ms) of the fastest timed part whose label starts with ``prefix``."""
+    cands = [(ms, label) for label, ms in times.items() if label.startswith(prefix)]
+    if not cands:
+        return None
+    ms, label = min(cands)
+    return label, ms
