@@ -33,8 +33,6 @@ def _free_port() -> int:
 
 
 def _close(got, want, tol, what):
-    import torch
-
     err = (got.double().cpu() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
     if not err <= tol:
         raise AssertionError(f"{what}: relative error {err:.3g} > {tol}")

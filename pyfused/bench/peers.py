@@ -91,7 +91,7 @@ def build(op: str, ctx: BenchContext, a: torch.Tensor, b: torch.Tensor, m_full: 
     with the same shapes). Call only where ``status(ctx)`` is None."""
     sm = symm_ops()
     gn = ctx.group.group_name
-    n, w = b.shape[1], ctx.world
+    n = b.shape[1]
     out = SymmParts()
     alone = ALONE.format(collective=collective)
     if op == "all_gather_matmul":

@@ -45,7 +45,7 @@ def _probe() -> Tuple[bool, str]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False, "TRITON_INTERPRET is set: the fused GEMMs need Triton compiling for the GPU"
     try:
-        import triton
+        import triton  # noqa: F401  (is it installed?)
     except ImportError as e:
         return False, f"Triton is not importable ({e})"
     from ..comm.symmetric import check_layout, symmetric_status
