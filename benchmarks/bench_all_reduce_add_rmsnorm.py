@@ -22,6 +22,7 @@ import torch
 from pyfused import ops
 from pyfused.bench.gemm_collective import agree_close, method_transport
 from pyfused.bench.harness import BenchContext, op_row, time_fn
+from pyfused.benchmarks import shapes
 from pyfused.ops import _common
 from pyfused.ops.all_reduce_add_rmsnorm import add_rmsnorm_rows, prepare
 
@@ -29,17 +30,12 @@ MULTI_RANK = True
 
 OP = "all_reduce_add_rmsnorm"
 EPS = 1e-6
-HIDDEN = {"cuda": 4096, "cpu": 1024}
-GPU_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
-CPU_SIZES = [8 << 10, 64 << 10, 512 << 10, 4 << 20]
-QUICK_SIZES = [8 << 10, 512 << 10]
+HIDDEN = shapes.NORM_HIDDEN
 METHODS = ("unfused", "decomposed", "fused", "auto")
 
 
 def sizes(ctx: BenchContext) -> List[int]:
-    if ctx.quick:
-        return QUICK_SIZES
-    return GPU_SIZES if ctx.device.type == "cuda" else CPU_SIZES
+    return shapes.norm_sizes(ctx.device.type, ctx.quick)
 
 
 def _forced_algo_rows(ctx, x, res, w, common, t_unfused, ref) -> List[Dict]:

@@ -85,8 +85,16 @@ step sanitize_race_w2 $SAN --tool racecheck $PY benchmarks/sanitize_fused.py --w
 step bench $PY -m pyfused.bench --out "$RES/bench"
 # The op suites with 2 NCCL ranks on this one GPU: rows are labelled nccl-socket (a correctness
 # transport, ~GB/s): the fused rows' baseline there is torch symmetric memory, never these.
-step bench_w2 $PY -m pyfused.bench --world 2 --backend nccl \
-  --suites all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce,tp_mlp --out "$RES/bench_w2"
+# The speed table of docs/PERF.md: each fused op at Llama-3 70B TP=8 layer shapes (each rank's GEMM
+# is a TP=8 rank's, benchmarks/shapes.py) in bf16, 2 and 4 ranks on this GPU. Every op row also
+# has torch symmetric-memory rows (collective alone, GEMM-then-collective, torch's async-TP op);
+# the fused rows' speedup and overlap efficiency are computed against those (same transport).
+OPS3=all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce
+step bench_w2 $PY -m pyfused.bench --world 2 --backend nccl --suites $OPS3 --dtype bfloat16 \
+  --shapes llama3-70b@tp8 --out "$RES/bench_w2"
+step bench_w4 $PY -m pyfused.bench --world 4 --backend nccl --suites $OPS3 --dtype bfloat16 \
+  --shapes llama3-70b@tp8 --out "$RES/bench_w4"
+step bench_mlp_w2 $PY -m pyfused.bench --world 2 --backend nccl --suites tp_mlp --out "$RES/bench_mlp_w2"
 step bench_arn_w2 $PY -m pyfused.bench --suites all_reduce_add_rmsnorm --world 2 --backend nccl \
   --out "$RES/bench_arn_w2"
 step bench_arn_w4 $PY -m pyfused.bench --suites all_reduce_add_rmsnorm --world 4 --backend nccl \

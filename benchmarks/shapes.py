@@ -26,6 +26,11 @@ of W (S to W * ceil(S/W), out/W to ceil(out/W)), so odd world sizes such as 3 st
 
 A ``--shapes`` spec is a comma-separated list of
   * model names (``llama3-8b``, ``llama3-70b``), optionally one layer (``llama3-70b.mlp.down``);
+  * either of those with ``@tpN`` (``llama3-70b@tp8``): the weights sharded as for N-way TP whatever
+    the world size W the run has, so each rank's GEMM is the one a TP=N rank runs -- column-parallel
+    [S, in] x [in, out/N] (of which all_gather_matmul's a is the [S/W, in] shard), row-parallel
+    [S, in/N] x [in/N, out]. This is how Llama-3 70B TP=8 layers are measured with 2 or 4 ranks on
+    one GPU (the communicated volume is then W's, not N's);
   * literal per-rank GEMMs ``MxKxN``: a [M, K], b [K, N] on every rank, for whichever op runs them
     (for all_gather_matmul M is the rows of this rank's shard; for matmul_reduce_scatter M must be
     divisible by W).
@@ -109,22 +114,26 @@ def _op_takes(op: str, kind: str) -> bool:
     return (kind == "column") == (op == "all_gather_matmul")
 
 
-def layer_shape(op: str, model_name: str, layer: str, world: int, scale: Scale) -> OpShape:
+def layer_shape(op: str, model_name: str, layer: str, world: int, scale: Scale,
+                tp: Optional[int] = None) -> OpShape:
+    """Per-rank shapes of ``layer`` for ``op`` on ``world`` ranks, the weights sharded ``tp`` ways
+    (default: ``world`` ways, i.e. the run is the TP group)."""
     model = MODELS[model_name]
     fin, fout, kind = model.layers()[layer]
     fin, fout = fin // scale.divisor, fout // scale.divisor
+    shards = tp or world
     s = world * math.ceil(scale.tokens / world)
     if op == "all_gather_matmul":
-        a, b = (s // world, fin), (fin, math.ceil(fout / world))
+        a, b = (s // world, fin), (fin, math.ceil(fout / shards))
     else:
-        k = math.ceil(fin / world)
+        k = math.ceil(fin / shards)
         a, b = (s, k), (k, fout)
     size = model_name if scale.divisor == 1 else f"{model_name}/{scale.divisor}"
-    return OpShape(f"{size} {layer} S={s}", op, a, b)
+    return OpShape(f"{size}{f' TP={tp}' if tp else ''} {layer} S={s}", op, a, b)
 
 
 def model_shapes(op: str, world: int, scale: Scale, models: Sequence[str] = None,
-                 layer: str = None) -> List[OpShape]:
+                 layer: str = None, tp: Optional[int] = None) -> List[OpShape]:
     out = []
     for name in models or scale.models:
         for lname, (_, _, kind) in MODELS[name].layers().items():
@@ -132,7 +141,7 @@ def model_shapes(op: str, world: int, scale: Scale, models: Sequence[str] = None
                 continue
             if layer is None and scale.layers is not None and lname not in scale.layers:
                 continue
-            out.append(layer_shape(op, name, lname, world, scale))
+            out.append(layer_shape(op, name, lname, world, scale, tp))
     return out
 
 
@@ -154,15 +163,22 @@ def parse(spec: Optional[str], op: str, world: int, device_type: str, quick: boo
                                  f"for matmul_reduce_scatter")
             out.append(OpShape(item, op, (m, k), (k, n)))
             continue
+        item, _, tp_spec = item.partition("@")
+        tp = None
+        if tp_spec:
+            tp_match = re.fullmatch(r"tp([1-9]\d*)", tp_spec)
+            if not tp_match:
+                raise ValueError(f"--shapes: {item}@{tp_spec}: the suffix must be @tpN with N >= 1")
+            tp = int(tp_match.group(1))
         name, _, layer = item.partition(".")
         if name not in MODELS:
             raise ValueError(f"--shapes: unknown item {item!r}; use one of {sorted(MODELS)}, "
-                             f"<model>.<layer> or MxKxN")
+                             f"<model>.<layer>, either with @tpN, or MxKxN")
         if layer and layer not in MODELS[name].layers():
             raise ValueError(f"--shapes: {name} has no layer {layer!r} "
                              f"(layers: {', '.join(MODELS[name].layers())})")
         full = Scale(scale.divisor, scale.tokens, (name,))  # a named model runs all its layers
-        out += model_shapes(op, world, full, (name,), layer or None)
+        out += model_shapes(op, world, full, (name,), layer or None, tp)
     return out
 
 
@@ -170,3 +186,41 @@ def validate(spec: Optional[str]) -> None:
     """Raise ValueError for a malformed spec (checked once, before any rank starts)."""
     for op in OPS:
         parse(spec, op, 1, "cpu", False)
+
+
+# ---- all_reduce_add_rmsnorm: x [rows, hidden] on every rank ----------------------------------------
+# Message sizes (bytes of x on one rank, nccl-tests' S), hidden size by device (bench and tuner).
+NORM_HIDDEN = {"cuda": 4096, "cpu": 1024}
+NORM_GPU_SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20, 64 << 20]
+NORM_CPU_SIZES = [8 << 10, 64 << 10, 512 << 10, 4 << 20]
+NORM_QUICK_SIZES = [8 << 10, 512 << 10]
+NORM_LITERAL = re.compile(r"^(\d+)x(\d+)$")
+
+
+def norm_sizes(device_type: str, quick: bool) -> List[int]:
+    if quick:
+        return NORM_QUICK_SIZES
+    return NORM_GPU_SIZES if device_type == "cuda" else NORM_CPU_SIZES
+
+
+def norm_shapes(spec: Optional[str], device_type: str, quick: bool,
+                element_size: int) -> List[Tuple[int, int]]:
+    """(rows, hidden) of x for all_reduce_add_rmsnorm: the default message sizes at the device's
+    hidden size, or a ``--shapes`` spec of ``RxH`` literals and model names (S tokens x hidden of the
+    device's scale)."""
+    if not spec:
+        hidden = NORM_HIDDEN.get(device_type, NORM_HIDDEN["cuda"])
+        return [(max(1, n // (hidden * element_size)), hidden) for n in norm_sizes(device_type, quick)]
+    scale = default_scale(device_type, quick)
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        lit = NORM_LITERAL.match(item)
+        if lit:
+            out.append((int(lit.group(1)), int(lit.group(2))))
+            continue
+        name = item.partition("@")[0].partition(".")[0]
+        if name not in MODELS:
+            raise ValueError(f"--shapes {item!r}: all_reduce_add_rmsnorm takes RxH (rows x hidden) "
+                             f"or a model name ({', '.join(sorted(MODELS))})")
+        out.append((scale.tokens, MODELS[name].hidden // scale.divisor))
+    return out

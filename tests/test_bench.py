@@ -110,6 +110,24 @@ def test_llama_shapes_scaled_and_sharded():
         shapes.validate("llama3-9b")
 
 
+def test_shapes_of_a_wider_tp_group():
+    """``@tp8`` with 2 or 4 ranks: each rank's GEMM is a TP=8 rank's (Llama-3 70B, full size)."""
+    for w in (2, 4, 3):
+        ag = shapes.parse("llama3-70b.attn.qkv@tp8", "all_gather_matmul", w, "cuda", False)[0]
+        s = w * math.ceil(8192 / w)
+        assert (ag.a, ag.b) == ((s // w, 8192), (8192, 1280))   # qkv (64 + 16) * 128 / 8
+        assert ag.gemm_mnk[1:] == (1280, 8192) and w * ag.a[0] == s
+        rs = shapes.parse("llama3-70b.mlp.down@tp8", "matmul_reduce_scatter", w, "cuda", False)[0]
+        assert (rs.a, rs.b) == ((s, 3584), (3584, 8192))        # F 28672 / 8
+        assert rs.label == f"llama3-70b TP=8 mlp.down S={s}"
+    both = shapes.parse("llama3-70b@tp8", "matmul_all_reduce", 2, "cuda", False)
+    assert [x.label.split()[2] for x in both] == ["attn.out", "mlp.down"]
+    with pytest.raises(ValueError, match="@tpN"):
+        shapes.validate("llama3-70b@tp0")
+    with pytest.raises(ValueError, match="@tpN"):
+        shapes.validate("llama3-70b@8")
+
+
 def test_unknown_suite_is_a_usage_error(capsys):
     assert cli.main(["--suites", "no_such_suite"]) == 2
     assert "no suite 'no_such_suite'" in capsys.readouterr().err

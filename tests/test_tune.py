@@ -75,7 +75,7 @@ def test_store_merges_atomically_and_refuses_a_corrupt_file(cache_file, caplog):
 def test_tune_argument_errors():
     with pytest.raises(ValueError, match="auto is what tuning is for"):
         tune.tune("all_gather_matmul", (4, 8), (8, 3), methods=["auto"], write=False)
-    with pytest.raises(ValueError, match="matmul_all_reduce only"):
+    with pytest.raises(ValueError, match="all_reduce_add_rmsnorm only"):
         tune.tune("all_gather_matmul", (4, 8), (8, 3), chunks=[2], write=False)
     with pytest.raises(ValueError, match="op must be one of"):
         tune.tune("matmul", (4, 8), (8, 3), write=False)
@@ -273,3 +273,67 @@ def test_tune_cli_under_torchrun_env(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "written to" in out and "matmul_all_reduce" in out
     assert cli.main(["--ops", "matmul"]) == 2
+    assert cli.main(["--ops", "all_reduce_add_rmsnorm", "--shapes", "24x40x8"]) == 2
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    try:
+        rc = cli.main(["--shapes", "24x40", "--ops", "all_reduce_add_rmsnorm", "--iters", "2",
+                       "--warmup", "1", "--chunks", "2", "--cache", str(cache)])
+    finally:
+        _restore_cache(old)
+    assert rc == 0
+    norm = json.loads(cache.read_text())["cpu|w1|all_reduce_add_rmsnorm|24x40|40|float32"]
+    assert set(norm["times_ms"]) == {"unfused", "decomposed/c2"} and "fused" in norm["skipped"]
+    assert "x=24x40" in capsys.readouterr().out
+
+
+def _tune_norm_then_auto(rank, world, tmpdir):
+    """all_reduce_add_rmsnorm: tuned like the GEMM ops (x [rows, hidden], weight [hidden]), and
+    ``auto`` then runs the tuned method and chunk count."""
+    import pyfused.ops as ops
+    from pyfused.ops.all_reduce_add_rmsnorm import prepare
+    from tests.utils import assert_close
+
+    old = _use_cache(Path(tmpdir) / f"rank{rank}.json")
+    try:
+        x = torch.randn(12, 40, generator=torch.Generator().manual_seed(rank))
+        res_in = torch.randn(12, 40, generator=torch.Generator().manual_seed(5))
+        w = torch.rand(40, generator=torch.Generator().manual_seed(6)) + 0.5
+        assert prepare(x, res_in, w, 1e-6, None, "auto", 0)[1].method == "unfused"  # untuned
+        # candidates: unfused, decomposed/c2, /c4, /c8 -> c2 measured fastest
+        res = tune.tune("all_reduce_add_rmsnorm", (12, 40), (40,), torch.float32,
+                        timer=_scripted([10.0, 6.0, 8.0, 9.0]))
+        assert res.entry == Entry("decomposed", 2), res
+        tune.reload()
+        choice = prepare(x, res_in, w, 1e-6, None, "auto", 0)[1]
+        got = ops.all_reduce_add_rmsnorm(x, res_in, w, 1e-6, method="auto")
+        want = ops.all_reduce_add_rmsnorm(x, res_in, w, 1e-6, method="unfused")
+        for g, r in zip(got, want):
+            assert_close(g, r)
+        return (choice.method, choice.chunks), json.loads(Path(res.path).read_text())
+    finally:
+        _restore_cache(old)
+
+
+def test_tuner_covers_all_reduce_add_rmsnorm(ranks, tmp_path):
+    got = ranks.run(2, _tune_norm_then_auto, str(tmp_path), timeout=60)
+    for choice, entries in got:
+        assert choice == ("decomposed", 2)
+        entry = entries["cpu|w2|all_reduce_add_rmsnorm|12x40|40|float32"]
+        assert (entry["method"], entry["chunks"]) == ("decomposed", 2)
+    with pytest.raises(ValueError, match="weight"):
+        tune.tune("all_reduce_add_rmsnorm", (12, 40), (12, 40), torch.float32)
+
+
+def test_norm_shapes_for_the_tuner():
+    from pyfused.benchmarks import shapes
+
+    # the benchmark's default sizes at the device's hidden size: 8 KiB of fp32 at hidden 1024 = 2 rows
+    assert shapes.norm_shapes(None, "cpu", True, 4) == [(2, 1024), (128, 1024)]
+    assert shapes.norm_shapes(None, "cuda", False, 2)[0] == (1, 4096)
+    assert shapes.norm_shapes(None, "cuda", False, 2)[-1] == (8192, 4096)  # 64 MiB of bf16
+    assert shapes.norm_shapes("24x40,llama3-70b", "cpu", False, 4) == [(24, 40), (512, 1024)]
+    with pytest.raises(ValueError, match="RxH"):
+        shapes.norm_shapes("24x40x8", "cpu", False, 4)

@@ -85,7 +85,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, help="ranks to start (default: one per GPU, or 2 on CPU)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--shapes", help="model names (llama3-8b, llama3-70b[.layer]) or MxKxN literals; "
+    p.add_argument("--shapes", help="model names (llama3-8b, llama3-70b[.layer][@tpN]) or MxKxN literals; "
                                     "see benchmarks/shapes.py")
     p.add_argument("--iters", type=int, help="timed iterations per point")
     p.add_argument("--warmup", type=int, help="untimed iterations per point")

@@ -6,6 +6,7 @@ here: one per GPU with NCCL, 2 gloo ranks on CPU). Every rank writes the same en
 
     python -m pyfused.tune --shapes llama3-8b                 # the 8B layers, every op
     python -m pyfused.tune --ops matmul_all_reduce --shapes 4096x1792x4096 --chunks 2,4,8,16
+    python -m pyfused.tune --ops all_reduce_add_rmsnorm --shapes 8192x8192   # x: rows x hidden
     torchrun --nproc-per-node 8 -m pyfused.tune               # all default shapes, 8 GPUs
 """
 from __future__ import annotations
@@ -15,24 +16,25 @@ import os
 import sys
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..bench import launch
 from ..bench.cli import DTYPES
-from .tuner import DEFAULT_MARGIN, OPS, TUNABLE
+from .tuner import CHUNKED, DEFAULT_MARGIN, OPS, TUNABLE
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pyfused.tune",
                                 description="Tune pyfused ops' methods per shape for method='auto'.")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all three)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all four)")
     p.add_argument("--shapes", help="as for python -m pyfused.bench (default: the device's benchmark "
                                     "shapes); see benchmarks/shapes.py")
     p.add_argument("--quick", action="store_true", help="the --quick benchmark shapes")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--methods", default=",".join(TUNABLE),
                    help="candidates (unfused is always measured)")
-    p.add_argument("--chunks", help="chunk counts for matmul_all_reduce (default 2,4,8)")
+    p.add_argument("--chunks", help="chunk counts for matmul_all_reduce and all_reduce_add_rmsnorm (default 2,4,8)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help="how much faster than unfused (a fraction) a method must measure to be "
                         "chosen (default: %(default)s)")
@@ -62,9 +64,9 @@ def worker(args: argparse.Namespace, backend: str) -> int:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         results = []
         for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
-            for shape in shapes.parse(args.shapes, op, world, device.type, args.quick):
+            for shape in _op_shapes(op, args, world, device.type, dtype):
                 res = tune(op, shape.a, shape.b, dtype, methods=methods,
-                           chunks=chunks if op == "matmul_all_reduce" else None,
+                           chunks=chunks if op in CHUNKED else None,
                            warmup=args.warmup, iters=args.iters, margin=args.margin, device=device)
                 results.append((op, shape, res))
         if rank == 0:
@@ -72,6 +74,17 @@ def worker(args: argparse.Namespace, backend: str) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def _op_shapes(op, args, world, device_type, dtype):
+    """The benchmark's shapes of ``op`` (all_reduce_add_rmsnorm: x [rows, hidden], weight [hidden])."""
+    from pyfused.benchmarks import shapes
+
+    if op != "all_reduce_add_rmsnorm":
+        return shapes.parse(args.shapes, op, world, device_type, args.quick)
+    esize = torch.empty((), dtype=dtype).element_size()
+    return [shapes.OpShape(f"{rows}x{hidden}", op, (rows, hidden), (hidden,))
+            for rows, hidden in shapes.norm_shapes(args.shapes, device_type, args.quick, esize)]
 
 
 def _print(results, world, backend, path) -> None:
@@ -86,7 +99,9 @@ def _print(results, world, backend, path) -> None:
         chosen_label = res.method + (f"/c{res.chunks}" if res.chunks else "")
         t_unf, t_ch = res.times_ms["unfused"], res.times_ms[chosen_label]
         every = ", ".join(f"{k} {v:.3f}" for k, v in res.times_ms.items())
-        table.add_row(op, f"{shape.label} a={shape.a[0]}x{shape.a[1]} b={shape.b[0]}x{shape.b[1]}",
+        dims = (f"x={shape.a[0]}x{shape.a[1]}" if len(shape.b) == 1
+                else f"a={shape.a[0]}x{shape.a[1]} b={shape.b[0]}x{shape.b[1]}")
+        table.add_row(op, f"{shape.label} {dims}",
                       chosen_label, f"{t_unf:.3f}", f"{t_ch:.3f}", f"{t_unf / t_ch:.2f}x", every)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
@@ -96,10 +111,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from pyfused.benchmarks import shapes
 
-        shapes.validate(args.shapes)
-        unknown = [o for o in args.ops.split(",") if o.strip() and o.strip() not in OPS]
+        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+        unknown = [o for o in ops if o not in OPS]
         if unknown:
             raise ValueError(f"--ops: unknown {unknown}; choose from {', '.join(OPS)}")
+        if any(op != "all_reduce_add_rmsnorm" for op in ops):
+            shapes.validate(args.shapes)
+        if "all_reduce_add_rmsnorm" in ops:
+            shapes.norm_shapes(args.shapes, "cpu", args.quick, 4)
         backend = launch.resolve_backend(args.backend)
         if args.cache:
             os.environ["PYFUSED_TUNE_CACHE"] = os.path.abspath(args.cache)

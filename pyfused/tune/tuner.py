@@ -25,7 +25,10 @@ import torch.distributed as dist
 
 from . import Entry, key, store
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_add_rmsnorm")
+# Ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
+CHUNKED = ("matmul_all_reduce", "all_reduce_add_rmsnorm")
+NORM_EPS = 1e-6
 TUNABLE = ("unfused", "decomposed", "fused")
 DEFAULT_CHUNKS = (2, 4, 8)
 DEFAULT_MARGIN = 0.02
@@ -86,19 +89,38 @@ def _device_for(pg, device) -> torch.device:
         else torch.device("cpu")
 
 
+def _op_call(op: str, a_shape, b_shape, dtype, device, rank: int, pg) -> Callable[..., object]:
+    """``call(method=..., [chunks=...])`` running ``op`` on fixed random inputs of these shapes
+    (per-rank a / x; replicated residual and weight, as in a TP model)."""
+    from .. import ops
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    a = torch.randn(a_shape, generator=gen).to(device, dtype)
+    if op == "all_reduce_add_rmsnorm":
+        shared = torch.Generator().manual_seed(11)
+        residual = torch.randn(a_shape, generator=shared).to(device, dtype)
+        weight = (1 + 0.1 * torch.randn(b_shape, generator=shared)).to(device, dtype)
+        return lambda **kw: ops.all_reduce_add_rmsnorm(a, residual, weight, NORM_EPS, pg, **kw)
+    b = (torch.randn(b_shape, generator=gen) * b_shape[0] ** -0.5).to(device, dtype)
+    fn = getattr(ops, op)
+    return lambda **kw: fn(a, b, pg, **kw)
+
+
 def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.dtype = torch.float32,
          group=None, methods: Optional[Sequence[str]] = None, chunks: Optional[Sequence[int]] = None,
          *, warmup: Optional[int] = None, iters: Optional[int] = None,
          margin: float = DEFAULT_MARGIN, device=None,
          timer: Optional[Callable] = None, write: bool = True) -> TuneResult:
     """Measure ``op``'s methods on per-rank inputs a ``a_shape``, b ``b_shape`` and cache the choice.
+    For all_reduce_add_rmsnorm ``a_shape`` is x's (and the residual's) and ``b_shape`` the weight's,
+    ``(hidden,)``.
 
     ``methods``: a subset of unfused | decomposed | fused (unfused is always added: it is the
-    baseline). ``chunks``: chunk counts to try for matmul_all_reduce's decomposed method (default
-    2, 4, 8, capped at the row count). ``timer({label: fn}, ctx) -> {label: ms}`` replaces the
+    baseline). ``chunks``: chunk counts to try for the decomposed method of matmul_all_reduce and
+    all_reduce_add_rmsnorm (default 2, 4, 8, capped at the row count). ``timer({label: fn}, ctx) -> {label: ms}`` replaces the
     harness's ``time_interleaved`` (tests use it to script timings). Returns the agreed entry and
     the measurements."""
-    from .. import comm, ops
+    from .. import comm
     from ..bench.harness import BenchContext, time_interleaved
     from ..ops import MethodUnavailable
 
@@ -111,13 +133,16 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
                          f"got {bad}")
     a_shape, b_shape = tuple(int(d) for d in a_shape), tuple(int(d) for d in b_shape)
     rows = math.prod(a_shape[:-1])
-    if op == "matmul_all_reduce":
+    if op == "all_reduce_add_rmsnorm" and (len(a_shape) < 2 or b_shape != a_shape[-1:]):
+        raise ValueError(f"tune(all_reduce_add_rmsnorm): x must be [..., hidden] and the weight "
+                         f"[hidden]; got x {a_shape}, weight {b_shape}")
+    if op in CHUNKED:
         chunk_list = tuple(sorted({min(int(c), rows) for c in (chunks or DEFAULT_CHUNKS)}))
         if any(c < 1 for c in chunk_list):
             raise ValueError(f"tune: chunks must be positive, got {chunks}")
     elif chunks:
-        raise ValueError(f"tune: chunks apply to matmul_all_reduce only (the ring schedules of {op} "
-                         f"take one step per rank)")
+        raise ValueError(f"tune: chunks apply to {' and '.join(CHUNKED)} only (the ring schedules "
+                         f"of {op} take one step per rank)")
     else:
         chunk_list = (0,)
 
@@ -130,10 +155,7 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
                        iters=i0 if iters is None else iters)
     timer = timer or time_interleaved
 
-    gen = torch.Generator().manual_seed(7 + rank)
-    a = torch.randn(a_shape, generator=gen).to(device, dtype)
-    b = (torch.randn(b_shape, generator=gen) * b_shape[0] ** -0.5).to(device, dtype)
-    fn = getattr(ops, op)
+    fn = _op_call(op, a_shape, b_shape, dtype, device, rank, pg)
 
     candidates = [("unfused", 0)]
     if "decomposed" in methods:
@@ -143,8 +165,8 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
     calls: Dict[str, Callable[[], object]] = {}
     skipped: Dict[str, str] = {}
     for method, n_chunks in candidates:
-        extra = {"chunks": n_chunks} if op == "matmul_all_reduce" else {}
-        call = (lambda m=method, e=extra: fn(a, b, pg, method=m, **e))
+        extra = {"chunks": n_chunks} if op in CHUNKED else {}
+        call = (lambda m=method, e=extra: fn(method=m, **e))
         try:
             call()  # validates on every rank; an unavailable method says so on every rank
         except MethodUnavailable as e:
