@@ -48,7 +48,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace, backend: str) -> int:
-
     from . import cache_path, reload
     from .tuner import tune
 
