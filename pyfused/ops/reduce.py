@@ -16,7 +16,6 @@ without it; ``check_backend`` refuses both with a clear message.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 

@@ -117,9 +117,9 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
 
     ``methods``: a subset of unfused | decomposed | fused (unfused is always added: it is the
     baseline). ``chunks``: chunk counts to try for the decomposed method of matmul_all_reduce and
-    all_reduce_add_rmsnorm (default 2, 4, 8, capped at the row count). ``timer({label: fn}, ctx) -> {label: ms}`` replaces the
-    harness's ``time_interleaved`` (tests use it to script timings). Returns the agreed entry and
-    the measurements."""
+    all_reduce_add_rmsnorm (default 2, 4, 8, capped at the row count). ``timer({label: fn}, ctx)
+    -> {label: ms}`` replaces the harness's ``time_interleaved`` (tests use it to script timings).
+    Returns the agreed entry and the measurements."""
     from .. import comm
     from ..bench.harness import BenchContext, time_interleaved
     from ..ops import MethodUnavailable
