@@ -303,6 +303,60 @@ def test_fused_ops_gpu(ranks, world, dtype, op):
         assert all(ranks.run(world, _gpu_op_body, op, dtype, 3, timeout=600))
 
 
+def _compiled_mlp_step(rank, world, backend, method="fused"):
+    """A sequence-parallel Column -> GELU -> Row MLP, eager vs torch.compile: the same output and
+    gradients (with method="fused", on the GPU: all_gather_matmul + matmul_reduce_scatter fused
+    forward, their fused duals backward). Other methods run on CPU, which checks this body."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from pyfused.layers import ColumnParallelLinear, RowParallelLinear
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if method == "fused" else torch.device("cpu")
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(96, 80 * world).to(dev), nn.Linear(80 * world, 96).to(dev)
+    group = _default_group()
+    col = ColumnParallelLinear.from_linear(fc1, group, sequence_parallel=True, overlap=method)
+    row = RowParallelLinear.from_linear(fc2, group, sequence_parallel=True, overlap=method)
+
+    def step(x):
+        y = row(F.gelu(col(x)))
+        y.square().sum().backward()
+        return y
+
+    x = torch.randn(64 * world, 96, generator=torch.Generator().manual_seed(1)).to(dev)
+    shard = x[rank * 64:(rank + 1) * 64]
+    results = []
+    for fn in (step, torch.compile(step, backend=backend)):
+        for p_ in (*col.parameters(), *row.parameters()):
+            p_.grad = None
+        xs = shard.clone().requires_grad_()
+        y = fn(xs)
+        results.append([y, xs.grad, col.weight.grad, row.weight.grad, row.bias.grad])
+    for got, want, what in zip(results[1], results[0], ("out", "grad x", "grad w1", "grad w2", "grad b2")):
+        err = (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+        assert err <= 1e-4, f"{backend} rank {rank}: {what} rel err {err:.3g}"
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"w{w}")
+def test_torch_compile_fused_gpu(ranks, world, backend):
+    """Issue 4: the ops work under torch.compile on GPU with the fused method (the CPU test with the
+    decomposed method is tests/test_ops_properties.py::test_torch_compile_decomposed)."""
+    _need_nccl_pool(world)
+    if world == 1:
+        assert _compiled_mlp_step(0, 1, backend)
+    else:
+        assert all(ranks.run(world, _compiled_mlp_step, backend, timeout=600))
+
+
+def test_torch_compile_step_body_on_cpu(ranks):
+    """The GPU test's body, run on CPU with the decomposed method (aot_eager), so that the body
+    itself is known to work before a GPU runs it."""
+    assert all(ranks.run(2, _compiled_mlp_step, "aot_eager", "decomposed", timeout=300))
+
 def _gpu_algos_agree(rank, world):
     """CUDA one-shot == two-shot bit for bit, the same bits on every rank, h exact, and many calls
     in a row (epochs) stay right."""
