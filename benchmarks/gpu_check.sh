@@ -73,6 +73,10 @@ step tests_nccl env PYFUSED_TEST_BACKEND=nccl $PY -m pytest -q -ra \
   tests/test_all_gather_matmul.py tests/test_matmul_reduce_scatter.py tests/test_matmul_all_reduce.py \
   tests/test_all_reduce_add_rmsnorm.py tests/test_validation.py \
   tests/test_ddp.py tests/test_ddp_sharded.py tests/test_ddp_kernels.py tests/test_clip_grad.py
+# The same checks over a group with per-device backends: tensors over NCCL, the ops' input
+# validation over gloo (no GPU sync; pyfused/comm/validate.py).
+step tests_mixed env PYFUSED_TEST_BACKEND="cpu:gloo,cuda:nccl" $PY -m pytest -q -ra \
+  tests/test_validation.py tests/test_matmul_all_reduce.py tests/test_ddp.py
 # compute-sanitizer over every fused kernel (driver: benchmarks/sanitize_fused.py). memcheck: out
 # of bounds / misaligned accesses, including through peers' mappings; racecheck: shared-memory
 # hazards (the block reductions, the barrier's CTA syncs).

@@ -69,7 +69,8 @@ def setup():
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # NCCL for the tensors, gloo for pyfused's per-call input checks (no GPU sync; see README).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 

@@ -40,7 +40,7 @@ def _serve(rank: int, world_size: int, port: int, backend: str, tasks, results) 
 
     torch.set_num_threads(1)  # several ranks share a small machine; oversubscription only adds noise
     device_id = None
-    if backend == "nccl":
+    if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (validation over gloo)
         if world_size > torch.cuda.device_count():
             # Several ranks on one GPU (docs/TESTBED.md): NCCL refuses two ranks of one host on one
             # device, so each rank claims its own host id and talks over sockets -- correct, slow.

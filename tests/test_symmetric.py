@@ -205,7 +205,7 @@ def test_epochs_restart_with_zeroed_pads(ranks):
 # --- GPU -----------------------------------------------------------------------------------------
 
 def _need_nccl_pool():
-    if os.environ.get("PYFUSED_TEST_BACKEND", "gloo") != "nccl":
+    if "nccl" not in os.environ.get("PYFUSED_TEST_BACKEND", "gloo"):
         pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh sets it)")
 
 

@@ -94,3 +94,29 @@ def _error_then_success(rank, world):
     a = torch.full((6, 8), float(rank + 1))
     y = matmul_reduce_scatter(a, torch.ones(8, 3), method="decomposed")
     return bool(torch.all(y == 8 * sum(range(1, world + 1))))
+
+
+def test_per_device_backends_validate_on_the_host(monkeypatch, caplog):
+    """A group made with ``backend="cpu:gloo,cuda:nccl"`` exchanges signatures on its CPU backend
+    (no GPU sync); a NCCL-only group says once, at INFO, why its check waits for the GPU and how to
+    avoid that. (Creating a NCCL group needs a GPU; the backend string is what the choice reads.)"""
+    import logging
+    import types
+
+    from pyfused.comm import comm_device
+    from pyfused.comm import group as group_mod
+    from pyfused.comm import validate as validate_mod
+
+    fake = types.SimpleNamespace(group_name="tp0")
+    monkeypatch.setattr(group_mod.dist, "get_backend", lambda pg=None: "cpu:gloo,cuda:nccl")
+    assert comm_device(fake) == torch.device("cpu")
+    monkeypatch.setattr(group_mod.dist, "get_backend", lambda pg=None: "gloo")
+    assert comm_device(fake) == torch.device("cpu")
+
+    monkeypatch.setattr(validate_mod.dist, "get_backend", lambda pg=None: "nccl")
+    monkeypatch.setattr(validate_mod, "_gpu_sync_noted", False)
+    with caplog.at_level(logging.INFO, logger="pyfused"):
+        validate_mod._note_gpu_sync(fake)
+        validate_mod._note_gpu_sync(fake)
+    notes = [r.getMessage() for r in caplog.records if "cpu:gloo,cuda:nccl" in r.getMessage()]
+    assert len(notes) == 1 and "group tp0 has no CPU backend (nccl)" in notes[0], notes

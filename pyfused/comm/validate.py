@@ -8,15 +8,18 @@ runs the same check over the same list. The error message is a pure function of 
 rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
 whether a fast path is usable everywhere) are made from the gathered list too.
 
-The exchange costs one tiny collective per call and, on NCCL, a host sync (the result is read on
-the host, so the CPU waits for the GPU work queued before the op). Running it on a gloo mirror of the
-group would avoid the sync, but a mirror created lazily by the group's members alone (torch's
-``use_local_synchronization``) advances torch's group counter on those ranks only, after which the
-next ``new_group`` gets different names on different ranks and hangs; a mirror would have to be made
-by every rank at start-up. Until then, GPU users who want the CPU to run ahead turn validation off
-once their script is known to be correct. ``set_validation(False)``
-or ``PYFUSED_VALIDATE=0`` skips it for scripts known to be correct: the local checks still run, but
-ranks that disagree on shapes may then hang, as they would with plain torch.distributed.
+The exchange costs one tiny collective per call. It runs on the group's CPU backend where the group
+has one, and then costs no GPU synchronisation: with
+``init_process_group(backend="cpu:gloo,cuda:nccl")`` (torch's per-device backends; the groups and
+DeviceMeshes made from it inherit both) the ops' data goes over NCCL and their signatures over gloo.
+On a NCCL-only group the signatures go over NCCL and are read on the host, so the CPU waits for the
+GPU work queued before the op, once per call; the first such exchange logs this (INFO). pyfused
+does not make a gloo mirror of a group by itself: a mirror created lazily by the group's members
+alone (torch's ``use_local_synchronization``) advances torch's group counter on those ranks only,
+after which the next ``new_group`` gets different names on different ranks and hangs.
+``set_validation(False)`` or ``PYFUSED_VALIDATE=0`` skips the exchange for scripts known to be
+correct: the local checks still run, but ranks that disagree on shapes may then hang, as they would
+with plain torch.distributed.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._logging import logger
 from .collectives import all_gather_single
 from .group import comm_device, world_size
 
@@ -132,12 +136,30 @@ class Signature:
         return Signature(op, ints, tuple(tensors))
 
 
+_gpu_sync_noted = False
+
+
+def _note_gpu_sync(pg: dist.ProcessGroup) -> None:
+    """Say once per process why validation waits for the GPU here, and how to avoid it."""
+    global _gpu_sync_noted
+    if _gpu_sync_noted:
+        return
+    _gpu_sync_noted = True
+    logger.info("pyfused: group %s has no CPU backend (%s), so each op's input check goes over it and "
+                "the host waits for the GPU work queued before the op; "
+                "init_process_group(backend='cpu:gloo,cuda:nccl') runs the check on gloo instead "
+                "(no GPU sync), and pyfused.comm.set_validation(False) skips it",
+                pg.group_name, dist.get_backend(pg))
+
+
 def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]:
     """Every rank's signature, in group-rank order (just ``[sig]`` for one rank or validation off)."""
     encoded = sig.encode()
     if world_size(pg) == 1 or not _enabled:
         return [sig]
     dev = comm_device(pg)
+    if dev.type == "cuda":
+        _note_gpu_sync(pg)
     mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
     every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
     all_gather_single(every, mine, group=pg)
