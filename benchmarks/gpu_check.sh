@@ -51,7 +51,9 @@ step() {  # step NAME CMD...: run CMD (time-limited), log to $RES/NAME.log, reco
 }
 
 { nvidia-smi; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-  'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"; git rev-parse HEAD;
+  'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())";
+  $PY -m pip list 2>/dev/null | grep -iE '^(setuptools|wheel|ninja|numpy|pytest|hypothesis|transformers) ';
+  git rev-parse HEAD;
   command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer || echo "no compute-sanitizer";
   } > "$RES/env.txt" 2>&1
 
