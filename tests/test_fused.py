@@ -148,6 +148,41 @@ def _stale_epoch(rank, world):
     return error
 
 
+def test_fused_refuses_graph_capture_and_outputs_in_the_buffer(monkeypatch):
+    """Review findings on the never-run CUDA path, guarded here on CPU (world 1, host-shm):
+    (1) a CUDA graph would replay one host-side epoch forever, so the fused schedules refuse to be
+    captured (and the ops carry the cudagraph_unsafe tag, so torch.compile's graphs leave them out);
+    (2) an output inside this rank's symmetric buffer races with the peers reading it."""
+    from pyfused.comm.symmetric import SymmetricBuffer, free_all
+    from pyfused.fused import config
+    from pyfused.fused.all_reduce import all_reduce_rows
+    from pyfused.fused.gemm_collectives import fused_all_gather_matmul, fused_matmul_reduce_scatter
+
+    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                 "all_reduce_add_rmsnorm"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.pyfused, name).default.tags, name
+
+    x, b = torch.randn(4, 8), torch.randn(8, 3)
+    kw = dict(backend="host-shm")
+    monkeypatch.setattr(config, "capturing", lambda device: True)
+    for call in (lambda: all_reduce_rows(x, None, **kw),
+                 lambda: fused_all_gather_matmul(x, b, None, False, **kw),
+                 lambda: fused_matmul_reduce_scatter(x, b, None, **kw)):
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            call()
+    monkeypatch.undo()
+
+    try:
+        buf = SymmetricBuffer.get(None, x.numel() * x.element_size(), x.device, "host-shm")
+        inside = buf.local_view((4, 8), torch.float32)
+        with pytest.raises(ValueError, match="out overlaps this rank's symmetric buffer"):
+            all_reduce_rows(x, None, out=inside, **kw)
+        with pytest.raises(ValueError, match="residual_out overlaps"):
+            all_reduce_rows(x, None, residual=torch.zeros(4, 8), residual_out=inside, **kw)
+        assert torch.equal(all_reduce_rows(x, None, **kw), x)  # world 1: the sum is x itself
+    finally:
+        free_all()
+
 def test_a_peer_with_another_epoch_fails_instead_of_hanging(ranks):
     errors = ranks.run(2, _stale_epoch, timeout=TIMEOUT)
     assert all(e is not None and "did not reach the barrier" in e for e in errors), errors

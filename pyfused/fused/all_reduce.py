@@ -53,10 +53,12 @@ def all_reduce_rows(src: Tensor, pg, *, out: Optional[Tensor] = None,
     pg = resolve_group(pg)
     if src.dim() != 2:
         raise ValueError(f"src must be 2-D [rows, cols], got {tuple(src.shape)}")
+    config.check_not_capturing(src.device, "pyfused all_reduce_rows")
     rows, cols = src.shape
     nbytes = rows * cols * _element_size(src.dtype)
     buf = SymmetricBuffer.get(pg, nbytes, src.device, backend)
     view = buf.local_view((rows, cols), src.dtype)
+    _check_outside_buffer(buf, out=out, residual_out=residual_out)
     if src.data_ptr() != view.data_ptr():
         view.copy_(src)
     if out is None:
@@ -72,6 +74,21 @@ def all_reduce_rows(src: Tensor, pg, *, out: Optional[Tensor] = None,
                                       residual_out, weight, float(eps), buf.rank, epoch, int(algo),
                                       config.timeout_ms())
     return out
+
+
+def _check_outside_buffer(buf: SymmetricBuffer, **outputs: Optional[Tensor]) -> None:
+    """Outputs must not live in this rank's symmetric buffer: peers read that memory during the
+    kernel (one-shot: every row of it), so writing results there races with their reads."""
+    lo = buf.buffer_ptrs[buf.rank]
+    hi = lo + buf.data_bytes
+    for name, t in outputs.items():
+        if t is None or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if start < hi and lo < end:
+            raise ValueError(f"all_reduce_rows: {name} overlaps this rank's symmetric buffer, which "
+                             f"peers read during the all-reduce; pass a separate tensor")
 
 
 def fused_matmul_all_reduce(a: Tensor, b: Tensor, pg, *, algo: Optional[int] = None,

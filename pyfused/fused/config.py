@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 ONE_SHOT = 0
 TWO_SHOT = 1
 
@@ -49,3 +51,19 @@ def timeout_ms() -> int:
     """How long a device-side wait on a peer may take before the kernel traps (CUDA) or raises
     (CPU models): ``PYFUSED_FUSED_TIMEOUT_MS``, default 60 s; 0 waits forever."""
     return int(os.environ.get("PYFUSED_FUSED_TIMEOUT_MS", "60000"))
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_not_capturing(device: torch.device, what: str) -> None:
+    """The fused schedules take their epochs and flag values from the host at launch, so a captured
+    graph would replay one epoch forever and its barriers and waits would pass at once on every
+    replay (a silent race). Refuse capture instead; the custom ops carry the
+    ``cudagraph_unsafe`` tag, so torch.compile's CUDA graphs leave them out by themselves."""
+    if capturing(device):
+        raise RuntimeError(f"{what}: the fused method cannot be captured in a CUDA graph (its "
+                           f"barrier epochs and chunk flags are host values baked into the launch); "
+                           f"run it eagerly, or use method='unfused' inside the captured region")

@@ -110,6 +110,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
                             backend: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """(all_gather(a) @ b, a copy of all_gather(a) if keep_gathered else None); 2-D a [m, K]."""
     pg = resolve_group(pg)
+    config.check_not_capturing(a.device, "pyfused all_gather_matmul")
     TIMEOUTS.check()
     w, r = world_size(pg), group_rank(pg)
     m, k = a.shape
@@ -146,6 +147,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
 def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[str] = None) -> Tensor:
     """This rank's [M/W, N] chunk of the sum over ranks of a @ b; 2-D a [M, K], M % W == 0."""
     pg = resolve_group(pg)
+    config.check_not_capturing(a.device, "pyfused matmul_reduce_scatter")
     TIMEOUTS.check()
     w, r = world_size(pg), group_rank(pg)
     big_m, k = a.shape

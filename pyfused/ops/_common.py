@@ -50,6 +50,23 @@ def default_chunks(device: torch.device, rows: int, flops: float = 0.0, nbytes: 
     return max(1, min(cap, rows, int(pieces)))
 
 
+def _op_tags() -> dict:
+    """Tags of the ops' ``torch.library.custom_op``: ``cudagraph_unsafe``, so torch.compile's CUDA
+    graphs (mode="reduce-overhead") leave the ops out instead of capturing them. None of their
+    methods replays correctly from a graph: the cross-rank input check reads its result on the host,
+    and the fused method's epochs and flag values are host values baked into the launch (it also
+    refuses capture itself: pyfused/fused/config.py ``check_not_capturing``)."""
+    import inspect
+
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None or "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
+    return {"tags": (tag,)}
+
+
+OP_TAGS = _op_tags()
+
+
 class MethodUnavailable(RuntimeError):
     """``method=`` asked for a path that cannot run here; the message says why."""
 
