@@ -67,6 +67,11 @@ def all_reduce_rows(src: Tensor, pg, *, out: Optional[Tensor] = None,
         weight = weight.to(torch.float32).contiguous()
     if residual is not None:
         residual = residual.contiguous()
+        if residual.data_ptr() % 16:
+            # The kernel uses 16-byte accesses only if every local tensor is 16-byte aligned, and
+            # that choice sets its block size and so the order of the norm's sum: an unaligned view
+            # on one rank would give that rank other last bits than its peers.
+            residual = residual.clone()
     if algo is None:
         algo = config.all_reduce_algo(nbytes, world_size(pg))
     epoch = buf.next_epoch()

@@ -49,8 +49,9 @@ def all_reduce_algo(nbytes: int, world: int) -> int:
 
 def timeout_ms() -> int:
     """How long a device-side wait on a peer may take before the kernel traps (CUDA) or raises
-    (CPU models): ``PYFUSED_FUSED_TIMEOUT_MS``, default 60 s; 0 waits forever."""
-    return int(os.environ.get("PYFUSED_FUSED_TIMEOUT_MS", "60000"))
+    (CPU models): ``PYFUSED_FUSED_TIMEOUT_MS``, default 60 s; 0 waits forever. Capped at 10^9 ms
+    (the kernels count nanoseconds in 64 bits)."""
+    return min(int(os.environ.get("PYFUSED_FUSED_TIMEOUT_MS", "60000")), 10**9)
 
 
 def capturing(device: torch.device) -> bool:
