@@ -98,7 +98,9 @@ def chunk_tile(tile_id, tiles_per_chunk, tiles_m, tiles_n, order_ptr, HAS_ORDER:
     return chunk, tm, tn
 
 
-@triton.jit
+# The epoch changes every call: specializing on it (1, multiples of 16) would recompile the
+# kernel at calls 1, 2 and 16 of a run.
+@triton.jit(do_not_specialize=["wait_expected", "spin_limit"])
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, out_table_ptr,
     flags_ptr, counters_ptr, order_ptr, status_ptr,

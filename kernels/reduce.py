@@ -41,7 +41,9 @@ import triton.language as tl
 from .gemm import chunk_tile, wait_flag
 
 
-@triton.jit
+# The epoch changes every call: specializing on it (1, multiples of 16) would recompile the
+# kernel at calls 1, 2 and 16 of a run.
+@triton.jit(do_not_specialize=["wait_expected", "spin_limit"])
 def multi_source_reduce_kernel(
     src_table_ptr, out_ptr, residual_ptr, res_out_ptr, weight_ptr,
     flags_ptr, order_ptr, status_ptr,

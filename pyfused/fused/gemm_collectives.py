@@ -12,15 +12,16 @@ all-gather + GEMM (``fused_all_gather_matmul``), a: this rank's shard [m, K], ou
      [r*m, (r+1)*m) -- a device-to-device copy into mapped peer memory, i.e. the copy engine -- then
      ``signal_flag`` q's flag r (fence + release at system scope, after the copy in stream order);
   3. the persistent Triton GEMM (kernels/gemm.py, WAIT mode) over the gathered buffer, chunk c = the
-     shard of rank c, in the order r, r+1, ...: local data first, each peer's chunk as soon as its
-     flag says it landed (acquire at system scope in the kernel).
+     shard of rank c, in the order r, r-1, r-2, ... -- local data first, then the peers' chunks in
+     the order their pushes land (step i of every rank s pushes to s+i, so r receives r-i) -- each
+     as soon as its flag says it landed (acquire at system scope in the kernel).
 GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   1. the persistent GEMM with chunk c = the rows rank c owns, computed in the order r+1, r+2, ...,
      r (own chunk last), SCATTER mode: chunk c is stored into slot r of rank c's buffer; SIGNAL mode
      counts the stored tiles of each chunk in a local counter (release at system scope);
   2. on the comm stream, beside the GEMM (which leaves ``config.RELAY_SMS`` SMs free), for each
-     chunk c in the same order: ``wait_flag`` until its counter is complete, then ``signal_flag``
-     flag r of rank c;
+     peer's chunk c in the same order: ``wait_flag`` until its counter is complete, then
+     ``signal_flag`` flag r of rank c; the own flag r is set on the compute stream after the GEMM;
   3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
      slot on flag s (source s wrote it).
 
@@ -130,7 +131,9 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     streams.keep_alive(a, stream)
     if device.type != "cuda":
         _barrier(buf, CHAN_SYNC, epoch)
-    order = [(r + i) % w for i in range(w)]
+    # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1 first,
+    # then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
+    order = [(r - i) % w for i in range(w)]
     # The persistent GEMM spins on SMs waiting for peers' chunks, while this rank's own signal
     # kernels (comm stream) must still find an SM for the peers' GEMMs to progress: leave some free.
     programs = None
@@ -175,8 +178,14 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets, signal_counters=counters,
              signal_scope="sys", num_programs=max(1, sms - config.RELAY_SMS), allow_tf32=tf32)
+        # This rank's own slot is written by the GEMM just queued on this stream, so its flag is set
+        # here, stream-ordered after it: the reduce below then never spins on a flag whose setter
+        # (a relay kernel) would need an SM that the spinning reduce's programs may all hold.
+        signal_flag(flags, r, epoch)
         with torch.cuda.stream(relay):
             for c in order:
+                if c == r:
+                    continue
                 wait_flag(counters, c, plan.tiles_per_chunk, config.timeout_ms())
                 signal_flag(buf.flags(c, count=w), r, epoch)
         streams.keep_alive(counters, relay)
