@@ -446,3 +446,17 @@ def test_sanitizer_driver_runs_on_cpu():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all kernels ran and matched" in out.stdout
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_triton_wait_bound_follows_the_fused_timeout(monkeypatch):
+    """PYFUSED_FUSED_TIMEOUT_MS bounds the Triton kernels' waits too (as polls), 0 = the largest."""
+    from pyfused.fused import config
+
+    monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", "180000")
+    assert config.spin_limit() == 180000 * config.POLLS_PER_MS
+    monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", "0")
+    assert config.spin_limit() == config.MAX_SPIN_LIMIT == 2**31 - 1
+    monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", str(10**12))
+    assert config.timeout_ms() == 10**9 and config.spin_limit() == config.MAX_SPIN_LIMIT
+    monkeypatch.delenv("PYFUSED_FUSED_TIMEOUT_MS")
+    assert config.spin_limit() == 60000 * config.POLLS_PER_MS

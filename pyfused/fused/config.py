@@ -68,3 +68,17 @@ def check_not_capturing(device: torch.device, what: str) -> None:
         raise RuntimeError(f"{what}: the fused method cannot be captured in a CUDA graph (its "
                            f"barrier epochs and chunk flags are host values baked into the launch); "
                            f"run it eagerly, or use method='unfused' inside the captured region")
+
+
+# The Triton kernels' waits count polls, not time (no clock without inline asm): about how many
+# system-scope acquire polls one millisecond holds -- an estimate from the latency of such a load
+# (~1 us), not a measurement; the CUDA kernels' waits, which read %globaltimer, are exact.
+POLLS_PER_MS = 1000
+MAX_SPIN_LIMIT = 2**31 - 1
+
+
+def spin_limit() -> int:
+    """The Triton waits' poll bound matching ``timeout_ms()`` (0, "wait forever", gives the largest
+    bound: about half an hour)."""
+    ms = timeout_ms()
+    return MAX_SPIN_LIMIT if ms <= 0 else max(1, min(MAX_SPIN_LIMIT, ms * POLLS_PER_MS))

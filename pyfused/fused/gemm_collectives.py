@@ -25,7 +25,8 @@ GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
      slot on flag s (source s wrote it).
 
-Waits in the Triton kernels are bounded (``spin_limit``): one that gives up is reported by
+Waits in the Triton kernels are bounded (``spin_limit``, from ``PYFUSED_FUSED_TIMEOUT_MS`` by
+``config.spin_limit``): one that gives up is reported by
 ``TIMEOUTS`` as ``WaitTimeout`` on a later fused call, without a host sync per call (see
 ``TimeoutWatch``); the waits in the CUDA kernels trap instead. Epochs are host-side state, so these
 schedules are not CUDA-graph capturable.
@@ -141,7 +142,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
         programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count - config.RELAY_SMS)
     status = new_status(device)
     out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
-               flag_scope="sys", status=status, num_programs=programs)
+               flag_scope="sys", status=status, num_programs=programs, spin_limit=config.spin_limit())
     TIMEOUTS.watch(status, describe_gemm_timeout, "fused all_gather_matmul")
     streams.join_comm_stream(device)
     return out, (gathered.clone() if keep_gathered else None)
@@ -197,7 +198,7 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         _barrier(buf, CHAN_SYNC, epoch)
     status = new_status(device)
     out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
-                              flag_scope="sys", status=status)
+                              flag_scope="sys", status=status, spin_limit=config.spin_limit())
     TIMEOUTS.watch(status, describe_reduce_timeout(w, 1), "fused matmul_reduce_scatter")
     streams.join_comm_stream(device)
     return out
