@@ -120,3 +120,28 @@ def test_per_device_backends_validate_on_the_host(monkeypatch, caplog):
         validate_mod._note_gpu_sync(fake)
     notes = [r.getMessage() for r in caplog.records if "cpu:gloo,cuda:nccl" in r.getMessage()]
     assert len(notes) == 1 and "group tp0 has no CPU backend (nccl)" in notes[0], notes
+
+
+def _grad_differs(rank, world):
+    from pyfused.comm import InputError
+    from pyfused.ops import all_gather_matmul
+
+    a = torch.randn(4, 8, requires_grad=rank == 0)
+    try:
+        all_gather_matmul(a, torch.randn(8, 3), method="decomposed")
+    except InputError as e:
+        msg = str(e)
+    else:
+        return None
+    # Agreeing ranks go on: both need it now, forward and backward run.
+    y = all_gather_matmul(torch.randn(4, 8, requires_grad=True), torch.randn(8, 3), method="decomposed")
+    y.sum().backward()
+    return msg
+
+
+def test_ranks_disagreeing_on_a_gradient_fail_before_backward_hangs(ranks):
+    """all_gather_matmul's backward is a reduce-scatter that runs only where a needs a gradient; a
+    rank whose a does not would leave the others waiting in backward. Every rank raises instead."""
+    msgs = ranks.run(2, _grad_differs, timeout=TIMEOUT)
+    assert msgs[0] == msgs[1] and msgs[0] is not None, msgs
+    assert "whether a needs a gradient" in msgs[0] and "rank 0 has yes, rank 1 has no" in msgs[0]

@@ -31,6 +31,11 @@ Waits in the Triton kernels are bounded (``spin_limit``, from ``PYFUSED_FUSED_TI
 ``TimeoutWatch``); the waits in the CUDA kernels trap instead. Epochs are host-side state, so these
 schedules are not CUDA-graph capturable.
 
+One stream per group: the entry barrier orders only the work queued on the stream it runs on, so
+consecutive fused calls on one group (and size class) must be issued on the same CUDA stream --
+as an op called from a training step is. A call on another stream could push into a peer's buffer
+while that peer's previous GEMM on the first stream still reads it.
+
 CPU model (``backend="host-shm"``, Triton interpreter): the same buffers, copies, flags and kernels,
 but a CPU wait cannot block (the interpreter runs programs one after another), so a host barrier
 (channel CHAN_SYNC) after the data movement stands in for the in-kernel waits; the kernels still

@@ -188,13 +188,22 @@ def prepare(op: str, a: torch.Tensor, b: torch.Tensor, group, method: str,
     world = comm.world_size(pg)
     fused_ok, fused_why = fused_status(op, a.device.type, a.dtype, pg)
     pref = auto_preference(op, pg, a, b, fused_ok) if method == "auto" else Choice(method, 0, "requested")
+    # all_gather_matmul's backward runs a reduce-scatter only where a needs a gradient: every rank
+    # must agree on that, or the ranks that need it would wait in backward for the others forever.
+    grad_a = int(op == "all_gather_matmul" and torch.is_grad_enabled() and a.requires_grad)
     sig = comm.Signature(
         comm.op_code(op),
-        (method_code(method), method_code(pref.method), pref.chunks, int(fused_ok)),
+        (method_code(method), method_code(pref.method), pref.chunks, int(fused_ok), grad_a),
         (comm.TensorMeta.of(a), comm.TensorMeta.of(b)),
     )
     allowed = _backend_device_types(pg)
-    sigs = comm.agree(pg, sig, lambda ss: check_matmul_inputs(ss, world, allowed, scatter_dim0))
+
+    def check(ss):
+        return (check_matmul_inputs(ss, world, allowed, scatter_dim0)
+                or comm.differs(ss, "whether a needs a gradient (its backward is a collective)",
+                                lambda s: s.ints[4], lambda s: "yes" if s.ints[4] else "no"))
+
+    sigs = comm.agree(pg, sig, check)
     fused_everywhere = all(s.ints[3] for s in sigs)
     if method == "fused" and not fused_everywhere:
         missing = [r for r, s in enumerate(sigs) if not s.ints[3]]

@@ -117,8 +117,14 @@ def ensure_group(pg, device, backend: Optional[str] = None) -> Tuple[bool, str]:
 
 
 def run(op: str, *args, **kwargs):
+    """The fused implementation of ``op``, run with the inputs' GPU as the current device (the
+    Triton launches and the comm stream follow the current device, not the tensors)."""
     if op not in IMPLS:
         from ._common import MethodUnavailable
 
         raise MethodUnavailable(status(op)[1])
+    device = args[0].device
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return IMPLS[op](*args, **kwargs)
     return IMPLS[op](*args, **kwargs)
