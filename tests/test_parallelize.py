@@ -40,6 +40,8 @@ def build(family: str, seed: int = 0, **overrides):
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     if family == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(**common))
+    if family == "qwen3":  # per-head q/k RMSNorm over head_dim
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=common["hidden_size"] // 8))
     raise ValueError(family)
 
 
@@ -106,9 +108,11 @@ def test_tensor_parallel_matches_single_process(ranks, family, world):
     assert all(ranks.run(world, _tp_matches, family, variants, timeout=240))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3"])
 def test_llama_family_members(ranks, family):
     # one world size each: the Llama-family code path is covered above, these check the detection
     # and the q/k/v biases (qwen2) of the members
-    assert all(ranks.run(2, _tp_matches, family, [(True, "auto")], timeout=240))
+    # qwen3's per-head q/k norms get partial gradients on each rank with and without SP
+    variants = [(False, "auto"), (True, "auto")] if family == "qwen3" else [(True, "auto")]
+    assert all(ranks.run(2, _tp_matches, family, variants, timeout=240))
 

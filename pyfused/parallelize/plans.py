@@ -21,6 +21,9 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
                      their projections' outputs (GPT2Attention).
   ``sequence_parallel``  a module of the block (a norm) that runs on the sequence shard; its
                      parameters are replicated and their gradients summed over the TP group.
+  ``head_shared``    a module applied to every attention head alike (Qwen3's q_norm / k_norm over
+                     head_dim): replicated, but each rank runs it on its own heads only, so its
+                     gradients are summed over the TP group (with or without sequence parallelism).
   ``replicate``      parameters replicated on every TP rank, computed on full tensors (final norm,
                      position embedding).
   ``blocks``         the ``nn.ModuleList`` of decoder blocks: the sequence-parallel region and the
@@ -38,12 +41,13 @@ import torch.nn as nn
 
 LINEAR_STYLES = ("colwise", "colwise_qkv", "rowwise", "colwise_gather_output")
 ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
-STYLES = LINEAR_STYLES + ATTENTION_STYLES + ("embedding", "sequence_parallel", "replicate", "blocks")
+STYLES = LINEAR_STYLES + ATTENTION_STYLES + ("embedding", "sequence_parallel", "head_shared", "replicate",
+                                             "blocks")
 
 # transformers model_type -> family. The Llama family: decoder-only models with LlamaAttention's
 # layout (separate q/k/v/o projections, optional q/k/v biases, grouped-query attention) and a
 # gate/up/down MLP.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # qwen3: + per-head q/k RMSNorm
 FAMILIES = {**{t: "llama" for t in LLAMA_FAMILY}, "gpt2": "gpt2"}
 
 # Attention-module attributes that hold a head count or a width proportional to it (checked against
@@ -56,7 +60,7 @@ class PlanError(ValueError):
     pass
 
 
-def llama_plan(prefix: str, has_lm_head: bool) -> Dict[str, str]:
+def llama_plan(prefix: str, has_lm_head: bool, qk_norm: bool = False) -> Dict[str, str]:
     p = prefix
     plan = {
         f"{p}embed_tokens": "embedding",
@@ -73,6 +77,9 @@ def llama_plan(prefix: str, has_lm_head: bool) -> Dict[str, str]:
         f"{p}layers.*.mlp.down_proj": "rowwise",
         f"{p}norm": "replicate",
     }
+    if qk_norm:
+        plan[f"{p}layers.*.self_attn.q_norm"] = "head_shared"
+        plan[f"{p}layers.*.self_attn.k_norm"] = "head_shared"
     if has_lm_head:
         plan["lm_head"] = "colwise_gather_output"
     return plan
@@ -117,7 +124,8 @@ def auto_plan(model: nn.Module) -> Dict[str, str]:
         if f"{prefix}layers" not in names:
             raise PlanError(f"{type(model).__name__} ({model_type}) has no 'layers' block list where the "
                             f"Llama-family plan expects it")
-        return llama_plan(prefix, "lm_head" in names)
+        qk_norm = any(n.endswith(("self_attn.q_norm", "self_attn.k_norm")) for n in names)
+        return llama_plan(prefix, "lm_head" in names, qk_norm)
     prefix = "transformer." if "transformer.h" in names else ""
     if f"{prefix}h" not in names:
         raise PlanError(f"{type(model).__name__} (gpt2) has no 'h' block list where the GPT-2 plan expects it")

@@ -167,7 +167,7 @@ class TensorParallel:
                 self._divide_heads(name, m)
                 if style == "attention" and in_region:
                     self.hooks.append(m.register_forward_pre_hook(self._gather_input, with_kwargs=True))
-            elif style == "sequence_parallel" and in_region:
+            elif style == "sequence_parallel" and in_region or style == "head_shared":
                 for p in m.parameters():
                     handle = sum_grad_over_group(p, self.pg)
                     if handle is not None:
