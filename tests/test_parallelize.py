@@ -73,16 +73,17 @@ def check_step(pm, ref, ref_out, ref_grads, ids, labels, tag, last_stage=True):
         assert_close(g, ref_grads[name], name=f"grad {name} {tag}")
 
 
-def _tp_matches(rank, world, family, variants):
+def _tp_matches(rank, world, family, variants, overrides=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
 
+    overrides = overrides or {}
     ids, labels = batch()
-    ref, ref_out, ref_grads = reference_step(family, ids, labels)
+    ref, ref_out, ref_grads = reference_step(family, ids, labels, **overrides)
     for sp, overlap in variants:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp, overlap=overlap)
+        pm = pyfused.parallelize(build(family, **overrides), mesh, sequence_parallel=sp, overlap=overlap)
         tag = f"{family} tp={world} sp={sp} overlap={overlap} rank {rank}"
         # the heads really were divided (the attention modules read no head count from the config)
         layer = pm.module.model.layers[0] if family != "gpt2" else pm.module.transformer.h[0]
@@ -116,3 +117,30 @@ def test_llama_family_members(ranks, family):
     variants = [(False, "auto"), (True, "auto")] if family == "qwen3" else [(True, "auto")]
     assert all(ranks.run(2, _tp_matches, family, variants, timeout=240))
 
+
+def _kv_replicated(rank, world):
+    """8 query heads, 2 KV heads, TP=4: each KV head lives on 2 ranks (the two whose query heads use
+    it); the model equals the single-process one, the KV projections' gradients are the sums over
+    their replicas, and the gradient norm counts each replicated head once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    assert _tp_matches(rank, world, "llama", [(False, "auto"), (True, "auto")],
+                       {"num_key_value_heads": 2})
+    ids, labels = batch()
+    ref, _, _ = reference_step("llama", ids, labels, num_key_value_heads=2)
+    pm = pyfused.parallelize(build("llama", num_key_value_heads=2),
+                             init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    attn = pm.module.model.layers[0].self_attn
+    assert attn.num_key_value_groups == 2 and attn.k_proj.weight.shape[0] == attn.head_dim, \
+        (attn.num_key_value_groups, tuple(attn.k_proj.weight.shape))
+    out = pm(input_ids=ids, labels=labels)
+    pm.backward(out.loss)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    assert_close(pm.clip_grad_norm_(1e9), want, name=f"grad norm rank {rank}")
+    return True
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them(ranks):
+    assert all(ranks.run(4, _kv_replicated, timeout=300))

@@ -18,13 +18,23 @@ def _unknown_arch(rank, world):
                                           word_embed_proj_dim=32))
 
 
+def _llama_plan():
+    from pyfused.parallelize import llama_plan
+
+    return llama_plan("model.", has_lm_head=True)
+
+
 CASES = {
     # case: (model builder, mesh shape/names, parallelize kwargs, expected words in the message)
     "unknown_arch": (_unknown_arch, {}, "plan='auto' does not know OPTForCausalLM"),
     "heads": (lambda r, w: build("llama", num_attention_heads=6, num_key_value_heads=6), {},
               "num_attention_heads=6 is not divisible by the tensor-parallel size 4"),
-    "kv_heads": (lambda r, w: build("llama", num_key_value_heads=2), {},
-                 "num_key_value_heads=2 is not divisible by the tensor-parallel size 4"),
+    # 3 KV heads cannot be spread over 4 ranks (2 can: replicated, tests/test_parallelize.py)
+    "kv_heads": (lambda r, w: build("llama", num_attention_heads=12, num_key_value_heads=3), {},
+                 "num_key_value_heads=3 is not divisible by the tensor-parallel size 4"),
+    "kv_colwise": (lambda r, w: build("llama", num_key_value_heads=2),
+                   {"plan": {**_llama_plan(), "model.layers.*.self_attn.k_proj": "colwise"}},
+                   "with k_proj / v_proj in style 'colwise_kv'"),
     "gpt2_heads": (lambda r, w: build("gpt2", n_head=2), {},
                    "num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
     "vocab": (lambda r, w: build("gpt2", vocab_size=VOCAB + 2), {}, "vocabulary size 102 is not divisible"),

@@ -278,8 +278,9 @@ class ParallelModel(nn.Module):
             if p.grad is None or id(p) in skip:
                 continue
             g = p.grad.detach().double()
-            v = g.abs().max() if inf else g.pow(2).sum()
-            i = 0 if self._spec_of(name, p).dim is not None and self._tp.world > 1 else 1
+            spec = self._spec_of(name, p)
+            v = g.abs().max() if inf else g.pow(2).sum() / spec.replicas  # replicas: counted once
+            i = 0 if spec.dim is not None and self._tp.world > 1 else 1
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self._tp.world > 1:

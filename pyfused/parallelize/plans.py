@@ -8,6 +8,10 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
                      Inside the sequence-parallel region it gathers the sequence shard itself
                      (``all_gather_matmul``) unless an enclosing ``attention`` module gathered it.
   ``colwise_qkv``    like ``colwise`` for a fused q|k|v projection (three equal parts, each sharded).
+  ``colwise_kv``     like ``colwise`` for a projection onto the key/value heads of grouped-query
+                     attention: sharded by whole KV heads; with more TP ranks than KV heads (TP a
+                     multiple of them) each KV head is replicated on TP/KV consecutive ranks -- the
+                     ranks whose query heads use it -- and its gradients are summed over those ranks.
   ``rowwise``        -> RowParallelLinear (input features sharded); in the sequence-parallel region it
                      reduce-scatters to the sequence shard (``matmul_reduce_scatter``).
   ``colwise_gather_output``  the LM head: vocab-parallel, logits gathered to the full vocabulary.
@@ -39,7 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-LINEAR_STYLES = ("colwise", "colwise_qkv", "rowwise", "colwise_gather_output")
+LINEAR_STYLES = ("colwise", "colwise_qkv", "colwise_kv", "rowwise", "colwise_gather_output")
 ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
 STYLES = LINEAR_STYLES + ATTENTION_STYLES + ("embedding", "sequence_parallel", "head_shared", "replicate",
                                              "blocks")
@@ -68,8 +72,8 @@ def llama_plan(prefix: str, has_lm_head: bool, qk_norm: bool = False) -> Dict[st
         f"{p}layers.*.input_layernorm": "sequence_parallel",
         f"{p}layers.*.self_attn": "attention",
         f"{p}layers.*.self_attn.q_proj": "colwise",
-        f"{p}layers.*.self_attn.k_proj": "colwise",
-        f"{p}layers.*.self_attn.v_proj": "colwise",
+        f"{p}layers.*.self_attn.k_proj": "colwise_kv",
+        f"{p}layers.*.self_attn.v_proj": "colwise_kv",
         f"{p}layers.*.self_attn.o_proj": "rowwise",
         f"{p}layers.*.post_attention_layernorm": "sequence_parallel",
         f"{p}layers.*.mlp.gate_proj": "colwise",

@@ -7,7 +7,9 @@ A ``ShardSpec`` maps the original (full) tensor to this rank's local one and bac
     layers ``nn.Linear``'s ``[out, in]``) is cut along ``d`` into ``parts`` equal groups (3 for a fused
     q|k|v projection, else 1) and rank r keeps chunk r of every group, concatenated. For a fused
     q|k|v that gives each rank its own heads of q, k and v, in that order, so the attention code's
-    ``split(local_width)`` still finds q, k, v.
+    ``split(local_width)`` still finds q, k, v;
+  * ``replicas=k`` (KV heads replicated when TP > KV heads): the tensor is cut into ``world / k``
+    chunks and rank r keeps chunk ``r // k``, so k consecutive ranks hold the same chunk.
 
 ``shard`` runs locally; ``gather`` is a collective over the TP group (every TP rank must call it for
 the same parameters in the same order).
@@ -31,6 +33,11 @@ class ShardSpec:
     transpose: bool = False
     world: int = 1
     rank: int = 0
+    replicas: int = 1
+
+    @property
+    def chunks(self) -> int:
+        return self.world // self.replicas
 
     def shard(self, full: Tensor) -> Tensor:
         if tuple(full.shape) != self.full_shape:
@@ -39,7 +46,8 @@ class ShardSpec:
         if self.dim is None or self.world == 1:
             return t
         groups = t.chunk(self.parts, dim=self.dim)
-        return torch.cat([g.chunk(self.world, dim=self.dim)[self.rank] for g in groups], dim=self.dim)
+        return torch.cat([g.chunk(self.chunks, dim=self.dim)[self.rank // self.replicas] for g in groups],
+                         dim=self.dim)
 
     def gather(self, local: Tensor, pg) -> Tensor:
         local = local.detach()
@@ -50,6 +58,24 @@ class ShardSpec:
             comm.all_gather_single(stacked, local.contiguous().view(-1), group=pg)
             pieces = [p.view(local.shape) for p in stacked.chunk(self.world)]
             split = [p.chunk(self.parts, dim=self.dim) for p in pieces]
-            full = torch.cat([torch.cat([split[r][j] for r in range(self.world)], dim=self.dim)
+            holders = range(0, self.world, self.replicas)  # one rank per distinct chunk
+            full = torch.cat([torch.cat([split[r][j] for r in holders], dim=self.dim)
                               for j in range(self.parts)], dim=self.dim)
         return full.t().contiguous() if self.transpose else full
+
+
+def sum_grad_over_replicas(param: torch.nn.Parameter, spec: ShardSpec, pg):
+    """Sum ``param``'s gradient over the ranks that hold the same chunk (``spec.replicas`` > 1), as
+    backward produces it: every TP rank all-gathers the gradients (the same hooks fire in the same
+    order on every rank) and adds those of its chunk's holders. Returns the hook handle or None."""
+    if spec.replicas == 1 or spec.world == 1:
+        return None
+
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.contiguous()
+        every = grad.new_empty((spec.world * grad.numel(),))
+        comm.all_gather_single(every, grad.view(-1), group=pg)
+        mine = every.view(spec.chunks, spec.replicas, grad.numel())[spec.rank // spec.replicas]
+        return mine.sum(0).view(grad.shape)
+
+    return param.register_hook(hook)

@@ -23,7 +23,7 @@ from .sequence import (
     gather_from_sequence_shard, scatter_to_sequence_shard,
     sum_grad_over_group,
 )
-from .shard import ShardSpec
+from .shard import ShardSpec, sum_grad_over_replicas
 
 
 def _linear_dims(module: nn.Module):
@@ -53,6 +53,13 @@ def head_counts(model: nn.Module):
     return heads, kv
 
 
+def kv_replicas(model: nn.Module, tp: int) -> int:
+    """How many TP ranks hold each KV head: TP / KV when TP is a multiple of the KV heads above
+    them (grouped-query attention with few KV heads), else 1 (each rank its own KV heads)."""
+    _, kv = head_counts(model)
+    return tp // kv if kv and kv < tp and tp % kv == 0 else 1
+
+
 def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: bool) -> Optional[str]:
     """The first reason TP of size ``tp`` cannot apply the plan to this model, or None."""
     modules = dict(model.named_modules())
@@ -60,8 +67,11 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
     if sequence_parallel and tp > 1 and not resolved.blocks:
         return "sequence_parallel=True needs a 'blocks' entry in the plan (the sequence-parallel region)"
     embedding_weights = {id(modules[n].weight): n for n, s in styles.items() if s == "embedding"}
+    replicas = kv_replicas(model, tp)
     for name, style in styles.items():
         m = modules[name]
+        if style == "colwise_kv" and replicas > 1:
+            continue  # whole KV heads, each on tp/kv ranks: nothing is split inside a head
         if style in LINEAR_STYLES:
             fin, fout = _linear_dims(m)
             if style == "colwise_qkv":
@@ -88,9 +98,12 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
             if heads % tp:
                 return (f"{name}: num_attention_heads={heads} is not divisible by the tensor-parallel "
                         f"size {tp}")
-            if kv % tp:
+            kv_styles = {st for n, st in styles.items() if n.startswith(name + ".")
+                         and n.rsplit(".", 1)[-1] in ("k_proj", "v_proj")}
+            if kv % tp and not (replicas > 1 and kv_styles == {"colwise_kv"}):
                 return (f"{name}: num_key_value_heads={kv} is not divisible by the tensor-parallel size "
-                        f"{tp} (grouped-query attention shards whole KV heads)")
+                        f"{tp} (grouped-query attention shards whole KV heads; with k_proj / v_proj "
+                        f"in style 'colwise_kv', a TP size that is a multiple of {kv} replicates them)")
             for attr in HEAD_ATTRIBUTES:
                 v = getattr(m, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v % tp:
@@ -130,14 +143,16 @@ class TensorParallel:
         self.overlap = overlap
         self.param_specs: Dict[int, ShardSpec] = {}  # id(parameter) -> spec
         self.hooks: list = []
+        self.kv_replicas = 1  # set by apply from the model's head counts
 
-    def spec(self, full_shape, dim=None, parts=1, transpose=False) -> ShardSpec:
-        return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank)
+    def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1) -> ShardSpec:
+        return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank, replicas)
 
     def apply(self, model: nn.Module, resolved: ResolvedPlan, install_region: bool = True) -> None:
         """Shard ``model`` in place. ``install_region=False`` leaves entering/leaving the sequence-parallel
         region to the caller (the pipeline does it per stage)."""
         styles = resolved.styles
+        self.kv_replicas = kv_replicas(model, self.world)
         block_list = resolved.blocks[0] if resolved.blocks else None
         modules = dict(model.named_modules())
         embeddings = {}  # id(original weight) -> new embedding module
@@ -192,6 +207,9 @@ class TensorParallel:
         factory = {"device": m.weight.device, "dtype": m.weight.dtype, "overlap": self.overlap}
         conv = is_conv1d(m)
         parts = 3 if style == "colwise_qkv" else 1
+        # KV heads replicated on `replicas` ranks: the layer is built `replicas` times as wide, so
+        # that its local share (out / world) is one chunk of out / (world / replicas) features
+        replicas = self.kv_replicas if style == "colwise_kv" else 1
         if style == "rowwise":
             cls = SequenceParallelRow if in_region else RowParallelLinear
             new = cls(fin, fout, has_bias, group=self.pg, sequence_parallel=in_region, **factory)
@@ -204,10 +222,10 @@ class TensorParallel:
             seq = in_region and not gather and attention != "attention"
             local = in_region and not gather and attention == "attention"
             cls = SequenceParallelColumn if seq else LocalInputColumn if local else ColumnParallelLinear
-            new = cls(fin, fout, has_bias, group=self.pg, gather_output=gather, sequence_parallel=seq,
-                      **factory)
-            wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv)
-            bspec = self.spec(m.bias.shape, dim=0, parts=parts) if has_bias else None
+            new = cls(fin, fout * replicas, has_bias, group=self.pg, gather_output=gather,
+                      sequence_parallel=seq, **factory)
+            wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv, replicas=replicas)
+            bspec = self.spec(m.bias.shape, dim=0, parts=parts, replicas=replicas) if has_bias else None
         with torch.no_grad():
             new.weight.copy_(wspec.shard(m.weight.detach()))
             if has_bias:
@@ -215,6 +233,10 @@ class TensorParallel:
         self.param_specs[id(new.weight)] = wspec
         if has_bias:
             self.param_specs[id(new.bias)] = bspec
+        for param, pspec in ((new.weight, wspec), (new.bias, bspec)):
+            handle = sum_grad_over_replicas(param, pspec, self.pg) if pspec is not None else None
+            if handle is not None:
+                self.hooks.append(handle)
         return new
 
     def _divide_heads(self, name: str, m: nn.Module) -> None:
@@ -222,8 +244,14 @@ class TensorParallel:
         for attr in HEAD_ATTRIBUTES:
             v = getattr(m, attr, None)
             if isinstance(v, int) and not isinstance(v, bool):
-                setattr(m, attr, v // self.world)
-                changed.append(f"{attr} {v}->{v // self.world}")
+                new = v * self.kv_replicas // self.world if attr == "num_key_value_heads" else v // self.world
+                setattr(m, attr, new)
+                changed.append(f"{attr} {v}->{new}")
+        groups = getattr(m, "num_key_value_groups", None)
+        if self.kv_replicas > 1 and isinstance(groups, int) and not isinstance(groups, bool):
+            # query heads per local KV head: (heads / tp) / (kv * replicas / tp)
+            setattr(m, "num_key_value_groups", groups // self.kv_replicas)
+            changed.append(f"num_key_value_groups {groups}->{groups // self.kv_replicas}")
         logger.debug("pyfused.parallelize: %s: %s", name, ", ".join(changed) or
                      "no head-count attribute (shapes come from the projections)")
 
