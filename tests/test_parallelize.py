@@ -144,3 +144,11 @@ def _kv_replicated(rank, world):
 
 def test_kv_heads_replicated_when_tp_exceeds_them(ranks):
     assert all(ranks.run(4, _kv_replicated, timeout=300))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_vocabulary_padded_when_tp_does_not_divide_it(ranks, family):
+    """Vocabulary 101 at TP=4 (GPT-2: tied head; Llama: its own head): padded to 104 rows, logits
+    cut back to 101; outputs, gradients and the gathered state dict equal the unpadded model's."""
+    assert all(ranks.run(4, _tp_matches, family, [(False, "auto"), (True, "auto")],
+                         {"vocab_size": VOCAB + 1}, timeout=300))

@@ -37,7 +37,6 @@ CASES = {
                    "with k_proj / v_proj in style 'colwise_kv'"),
     "gpt2_heads": (lambda r, w: build("gpt2", n_head=2), {},
                    "num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
-    "vocab": (lambda r, w: build("gpt2", vocab_size=VOCAB + 2), {}, "vocabulary size 102 is not divisible"),
     "differs": (lambda r, w: build("llama", intermediate_size=44 + 4 * (r == w - 1)), {},
                 "the model, the mesh or the options differ between ranks"),
     "plan_typo": (lambda r, w: build("llama"), {"plan": {"model.layer.*.mlp.up_proj": "colwise"}},

@@ -12,7 +12,7 @@ from tests.utils import assert_close
 pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers (the 'models' extra)")
 
 
-def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
+def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options, overrides=None):
     """dp x tp or pp x tp: each dp rank trains on its half of a batch of 4; the gradients must be the
     full batch's (DDP averages), the logits and loss those of the rank's half."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -27,7 +27,8 @@ def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
     labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
     labels[0, :3] = -100  # padding: the halves' token counts differ, DDP still averages the means
     rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
-    ref = build(family)
+    overrides = overrides or {}
+    ref = build(family, **overrides)
     with torch.no_grad():
         ref_out = ref(input_ids=ids[rows], labels=labels[rows])
     if dp == 1:
@@ -39,7 +40,7 @@ def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options):
             (ref(input_ids=ids[part], labels=labels[part]).loss / dp).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    pm = pyfused.parallelize(build(family), mesh, sequence_parallel=sp, **pipeline_options)
+    pm = pyfused.parallelize(build(family, **overrides), mesh, sequence_parallel=sp, **pipeline_options)
     tag = f"{family} mesh {dict(zip(names, shape))} sp={sp} rank {rank}"
     last = "pp" not in names or mesh.get_local_rank("pp") == mesh.size(names.index("pp")) - 1
     with torch.no_grad():  # forward only (with pp: an eval step of the schedule, no backward)
@@ -91,3 +92,10 @@ def test_data_parallel_x_pipeline(ranks):
     # LM head's gradient is then also summed across the two stages)
     assert all(ranks.run(4, _mesh_matches, "gpt2", (2, 2), ("dp", "pp"), True,
                          {"n_microbatches": 2}, timeout=240))
+
+
+def test_pipeline_x_tensor_parallel_padded_vocabulary(ranks):
+    # vocabulary 101 at tp=2: the padded embedding (first stage) and the tied, padded LM head (last
+    # stage) must stay the same Parameter's shards across the stages
+    assert all(ranks.run(4, _mesh_matches, "gpt2", (2, 2), ("pp", "tp"), True, {"n_microbatches": 2},
+                         {"vocab_size": VOCAB + 1}, timeout=240))

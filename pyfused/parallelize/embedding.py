@@ -6,6 +6,11 @@ Parameter. Each rank looks up the ids that fall in its range, writes zeros for t
 partial outputs are all-reduced: every rank gets the full ``[..., h]`` embedding (replicated; the
 model's own code then reads its batch-first shape). Backward is the identity: each rank's table shard
 gets the gradient of exactly the rows it owns.
+
+A vocabulary V the TP size W does not divide (GPT-2's 50257) is padded to ``padded_vocab(V, W)``
+rows, the padding on the last ranks: no id reaches those rows, so they get no gradient; the LM head
+(``VocabParallelHead``) computes logits for them too and cuts the gathered logits back to V, so the
+model's outputs and loss are the unpadded model's.
 """
 from __future__ import annotations
 
@@ -18,6 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
+from ..layers import ColumnParallelLinear
+
+
+def padded_vocab(vocab: int, world: int) -> int:
+    """The smallest multiple of ``world`` that holds ``vocab`` rows."""
+    return -(-vocab // world) * world
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -39,15 +50,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.pg = comm.resolve_group(group)
         self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
-        if num_embeddings % self.world_size:
-            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} must be divisible "
-                             f"by the tensor-parallel size {self.world_size}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.local_rows = num_embeddings // self.world_size
+        self.local_rows = padded_vocab(num_embeddings, self.world_size) // self.world_size
         self.start = self.rank * self.local_rows
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))
         nn.init.normal_(self.weight)
+        with torch.no_grad():  # padding rows (past the vocabulary): never looked up, kept zero
+            self.weight[max(0, min(self.local_rows, num_embeddings - self.start)):].zero_()
 
     def _local_padding_idx(self) -> Optional[int]:
         if self.padding_idx is None:
@@ -70,3 +80,22 @@ class VocabParallelEmbedding(nn.Module):
         return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.start}.."
                 f"{self.start + self.local_rows - 1}), padding_idx={self.padding_idx}, "
                 f"world={self.world_size}")
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head over a vocabulary padded to a multiple of the TP size (``padded_vocab``): a
+    ``ColumnParallelLinear(gather_output=True)`` whose gathered logits are cut back to ``vocab``
+    columns (the padded columns get no gradient)."""
+
+    def __init__(self, in_features: int, vocab: int, bias: bool = True, *, group=None, **kwargs):
+        world = comm.world_size(comm.resolve_group(group))
+        super().__init__(in_features, padded_vocab(vocab, world), bias, group=group, gather_output=True,
+                         **kwargs)
+        self.vocab = vocab
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        return y[..., :self.vocab] if y.shape[-1] != self.vocab else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, vocab={self.vocab} (padded to {self.out_features})"

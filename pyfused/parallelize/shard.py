@@ -9,7 +9,9 @@ A ``ShardSpec`` maps the original (full) tensor to this rank's local one and bac
     q|k|v that gives each rank its own heads of q, k and v, in that order, so the attention code's
     ``split(local_width)`` still finds q, k, v;
   * ``replicas=k`` (KV heads replicated when TP > KV heads): the tensor is cut into ``world / k``
-    chunks and rank r keeps chunk ``r // k``, so k consecutive ranks hold the same chunk.
+    chunks and rank r keeps chunk ``r // k``, so k consecutive ranks hold the same chunk;
+  * ``padded=P`` (a vocabulary TP does not divide): before the cut the tensor is zero-padded along
+    ``dim`` to P (a multiple of the world size); gathering drops the padding again.
 
 ``shard`` runs locally; ``gather`` is a collective over the TP group (every TP rank must call it for
 the same parameters in the same order).
@@ -34,6 +36,7 @@ class ShardSpec:
     world: int = 1
     rank: int = 0
     replicas: int = 1
+    padded: int = 0  # size along dim after zero-padding (0: none)
 
     @property
     def chunks(self) -> int:
@@ -45,6 +48,10 @@ class ShardSpec:
         t = full.t() if self.transpose else full
         if self.dim is None or self.world == 1:
             return t
+        if self.padded > t.shape[self.dim]:
+            pad = list(t.shape)
+            pad[self.dim] = self.padded - t.shape[self.dim]
+            t = torch.cat([t, t.new_zeros(pad)], dim=self.dim)
         groups = t.chunk(self.parts, dim=self.dim)
         return torch.cat([g.chunk(self.chunks, dim=self.dim)[self.rank // self.replicas] for g in groups],
                          dim=self.dim)
@@ -61,6 +68,9 @@ class ShardSpec:
             holders = range(0, self.world, self.replicas)  # one rank per distinct chunk
             full = torch.cat([torch.cat([split[r][j] for r in holders], dim=self.dim)
                               for j in range(self.parts)], dim=self.dim)
+            if self.padded:
+                layout = self.full_shape[::-1] if self.transpose else self.full_shape
+                full = full.narrow(self.dim, 0, layout[self.dim])
         return full.t().contiguous() if self.transpose else full
 
 

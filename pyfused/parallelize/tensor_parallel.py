@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .._logging import logger
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from .embedding import VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding, VocabParallelHead, padded_vocab
 from .plans import ATTENTION_STYLES, HEAD_ATTRIBUTES, LINEAR_STYLES, ResolvedPlan, is_conv1d
 from .sequence import (
     LocalInputColumn, SequenceParallelColumn, SequenceParallelRow, gather_for_local_columns,
@@ -72,6 +72,12 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
         m = modules[name]
         if style == "colwise_kv" and replicas > 1:
             continue  # whole KV heads, each on tp/kv ranks: nothing is split inside a head
+        if style == "colwise_gather_output":
+            for ename in embedding_weights.values():
+                e = modules[ename]
+                if e.weight is m.weight and e.num_embeddings != _linear_dims(m)[1]:
+                    return f"{name} is tied to {ename} but their vocabulary sizes differ"
+            continue  # any vocabulary: padded to a multiple of tp (embedding.py)
         if style in LINEAR_STYLES:
             fin, fout = _linear_dims(m)
             if style == "colwise_qkv":
@@ -83,14 +89,6 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
                 what = "out_features / 3"
             if sharded % tp:
                 return (f"{name}: {what}={sharded} is not divisible by the tensor-parallel size {tp}")
-        if style == "colwise_gather_output":
-            for ename in embedding_weights.values():
-                e = modules[ename]
-                if e.weight is m.weight and e.num_embeddings != _linear_dims(m)[1]:
-                    return f"{name} is tied to {ename} but their vocabulary sizes differ"
-        if style == "embedding" and m.num_embeddings % tp:
-            return (f"{name}: vocabulary size {m.num_embeddings} is not divisible by the tensor-parallel "
-                    f"size {tp} (pad the vocabulary to a multiple of {tp})")
         if style in ATTENTION_STYLES:
             heads, kv = head_counts(model)
             if heads is None:
@@ -145,8 +143,10 @@ class TensorParallel:
         self.hooks: list = []
         self.kv_replicas = 1  # set by apply from the model's head counts
 
-    def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1) -> ShardSpec:
-        return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank, replicas)
+    def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1, padded=0) -> ShardSpec:
+        padded = padded if padded != (full_shape[::-1] if transpose else full_shape)[dim or 0] else 0
+        return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank, replicas,
+                         padded)
 
     def apply(self, model: nn.Module, resolved: ResolvedPlan, install_region: bool = True) -> None:
         """Shard ``model`` in place. ``install_region=False`` leaves entering/leaving the sequence-parallel
@@ -171,7 +171,7 @@ class TensorParallel:
             elif style == "embedding":
                 new = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
                                              group=self.pg, device=m.weight.device, dtype=m.weight.dtype)
-                spec = self.spec(m.weight.shape, dim=0)
+                spec = self.spec(m.weight.shape, dim=0, padded=padded_vocab(m.num_embeddings, self.world))
                 with torch.no_grad():
                     new.weight.copy_(spec.shard(m.weight.detach()))
                 self.param_specs[id(new.weight)] = spec
@@ -222,10 +222,16 @@ class TensorParallel:
             seq = in_region and not gather and attention != "attention"
             local = in_region and not gather and attention == "attention"
             cls = SequenceParallelColumn if seq else LocalInputColumn if local else ColumnParallelLinear
-            new = cls(fin, fout * replicas, has_bias, group=self.pg, gather_output=gather,
-                      sequence_parallel=seq, **factory)
-            wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv, replicas=replicas)
-            bspec = self.spec(m.bias.shape, dim=0, parts=parts, replicas=replicas) if has_bias else None
+            padded = padded_vocab(fout, self.world) if gather else 0
+            if gather and padded != fout:  # a vocabulary tp does not divide: padded, logits cut back
+                new = VocabParallelHead(fin, fout, has_bias, group=self.pg, **factory)
+            else:
+                new = cls(fin, fout * replicas, has_bias, group=self.pg, gather_output=gather,
+                          sequence_parallel=seq, **factory)
+            wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv, replicas=replicas,
+                              padded=padded)
+            bspec = (self.spec(m.bias.shape, dim=0, parts=parts, replicas=replicas, padded=padded)
+                     if has_bias else None)
         with torch.no_grad():
             new.weight.copy_(wspec.shard(m.weight.detach()))
             if has_bias:
