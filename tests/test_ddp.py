@@ -121,6 +121,42 @@ def test_buckets_launch_during_backward_in_order(ranks, shard):
     assert all(ranks.run(2, _launch_timeline, shard, timeout=TIMEOUT))
 
 
+def _rebuilt_from_observed_order(rank, world, as_view):
+    """Layers registered last-used first: the initial buckets (reverse registration) start with the
+    gradients backward produces last. After the first backward the buckets follow the observed order
+    (rank 0's, the same on every rank): bucket 0 holds fc3's gradients and goes out first, early."""
+    from pyfused.layers import DistributedDataParallel
+
+    m = DistributedDataParallel(H.build("backwards", 0), bucket_cap_mb=0.0001,
+                                gradient_as_bucket_view=as_view)
+    first = m.bucket_info()[0]["params"]
+    assert all(n.startswith("fc1.") for n in first), first
+    H.loss_of("backwards", m, H.batch("backwards", 0, 0, rank)).backward()
+    info = m.bucket_info()
+    assert all(n.startswith("fc3.") for n in info[0]["params"]), info
+    assert all(n.startswith("fc1.") for n in info[-1]["params"]), info
+    red = m.reducer
+    seen = []
+    red.on_bucket_launched = lambda b: seen.append((b.index, sum(red.ready)))
+    H.loss_of("backwards", m, H.batch("backwards", 0, 1, rank)).backward()
+    assert [i for i, _ in seen] == list(range(len(red.buckets))) and seen[0][1] <= 2, seen
+    if as_view:  # the gradients moved into the new buckets
+        bufs = [b.extra["grad_buf"] for b in red.buckets]
+        for p in m.parameters():
+            assert any(buf.untyped_storage().data_ptr() == p.grad.untyped_storage().data_ptr()
+                       for buf in bufs), "a gradient does not live in its (rebuilt) bucket"
+    return [b["params"] for b in info]
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
+def test_buckets_rebuilt_from_the_observed_gradient_order(ranks, as_view):
+    orders = ranks.run(2, _rebuilt_from_observed_order, as_view, timeout=TIMEOUT)
+    assert orders[0] == orders[1]
+    # and training through the rebuild equals torch DDP (which rebuilds too) and the full batch
+    ranks.run(3, H.compare_training, "backwards", opt="adamw", steps=3, micro=2,
+              ours=dict(bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view),
+              theirs=dict(gradient_as_bucket_view=as_view), timeout=TIMEOUT)
+
 # ----------------------------------------------------------------------------- unused parameters
 
 def _unused_matches_torch(rank, world, shard):

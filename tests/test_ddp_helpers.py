@@ -35,6 +35,16 @@ class MLP(nn.Module):
         return self.fc3(torch.tanh(self.fc2(F.gelu(self.fc1(x)))))
 
 
+class BackwardsMLP(MLP):
+    """MLP with its layers registered last-used first: reverse registration order (the initial
+    buckets) is then the opposite of the order backward produces gradients -- the case the bucket
+    rebuild from the observed order is for."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.fc3, self.fc2, self.fc1 = nn.Linear(29, 5), nn.Linear(37, 29), nn.Linear(13, 37)
+
+
 class CNN(nn.Module):
     def __init__(self, norm="batch"):
         super().__init__()
@@ -87,14 +97,14 @@ def build(kind: str, seed: int) -> nn.Module:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
-    return {"mlp": MLP, "cnn": CNN, "cnn_gn": lambda: CNN("group"), "lstm": Recurrent,
+    return {"mlp": MLP, "backwards": BackwardsMLP, "cnn": CNN, "cnn_gn": lambda: CNN("group"), "lstm": Recurrent,
             "gru": lambda: Recurrent("gru"), "branchy": Branchy}[kind]().to(dev)
 
 
 def batch(kind: str, seed: int, step: int, rank: int, micro: int = 0):
     g = torch.Generator().manual_seed(10_000 * seed + 100 * step + 10 * micro + rank)
     dev = device_of_ranks()
-    if kind == "mlp":
+    if kind in ("mlp", "backwards"):
         out = (torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g))
     elif kind in ("cnn", "cnn_gn"):
         out = (torch.randn(4, 3, 9, 9, generator=g), torch.randint(0, 4, (4,), generator=g))
@@ -115,7 +125,7 @@ def full_batch(kind, seed, step, world, micro=0):
 
 
 def loss_of(kind: str, model, data, **fwd):
-    if kind == "mlp" or kind == "branchy":
+    if kind in ("mlp", "backwards", "branchy"):
         x, y = data
         out = model(x, **fwd) if fwd else model(x)
         return F.mse_loss(out.float(), y)

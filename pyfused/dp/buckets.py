@@ -49,13 +49,21 @@ class Bucket:
 
 
 def assign(params: Sequence[Tuple[int, torch.Tensor]], cap_bytes: int,
-           first_cap_bytes: int = FIRST_BUCKET_BYTES) -> List[List[int]]:
-    """Bucket assignment: lists of parameter indices, bucket 0 first (reverse registration order)."""
+           first_cap_bytes: int = FIRST_BUCKET_BYTES,
+           order: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Bucket assignment: lists of parameter indices, bucket 0 first. Parameters are taken in
+    ``order`` (indices, the first to get its gradient first: the order a backward was observed to
+    produce them) or, by default, in reverse registration order."""
     open_: dict = {}
     closed: List[Tuple[int, List[int]]] = []  # (position of the first member, members)
     sizes: dict = {}
     count: dict = {}
-    for pos, (idx, p) in enumerate(reversed(list(params))):
+    if order is None:
+        seq = list(reversed(list(params)))
+    else:
+        by_index = dict(params)
+        seq = [(i, by_index[i]) for i in order]
+    for pos, (idx, p) in enumerate(seq):
         key = p.dtype
         if key not in open_:
             open_[key] = (pos, [])

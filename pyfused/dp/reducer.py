@@ -30,6 +30,14 @@ a parameter unused on every rank keeps its ``.grad`` untouched (None stays None)
 rank receives the average. With ``find_unused_parameters=False`` a parameter without a gradient is
 an error (torch DDP's, raised on every rank); the status vector that detects it on every rank costs
 one tiny all-reduce per step and is skipped with ``pyfused.comm.set_validation(False)``.
+
+Bucket rebuild (torch DDP's, once). The first buckets follow reverse registration order, a guess at
+the order backward produces gradients. The first synchronising backward records the order the
+gradients actually became ready; at its end rank 0's order is broadcast and, if it differs, the
+buckets are rebuilt from it (same caps), so that later backwards fill bucket 0 first and its
+reduction starts as early as it can. As in torch, not with ``find_unused_parameters`` (the set of
+used parameters, hence the order, may change between iterations) -- and not with a sharded
+optimizer, whose state is laid out by bucket.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ from .. import comm
 from .._logging import logger
 from ..comm import InputError
 from . import bucket_copy
+from . import buckets as _buckets
 from .buckets import Bucket
 from .status import StatusExchange
 
@@ -89,7 +98,17 @@ class Reducer:
         # "used" flags accumulate over no_sync iterations until the next synchronising backward
         # (torch DDP's rule): a parameter used only in an earlier micro-batch still counts as used.
         self.used = bytearray(n)
+        self.rebuild_caps: Optional[tuple] = None  # (cap, first cap) bytes: set by enable_rebuild
+        self.observed: List[int] = []  # the order gradients became ready, until the rebuild
         self._reset()
+
+    def enable_rebuild(self, cap_bytes: int, first_cap_bytes: int) -> None:
+        """Rebuild the buckets once, from the gradient order of the first synchronising backward."""
+        if self.find_unused or self.sharded:
+            logger.debug("pyfused DDP: buckets are not rebuilt from the observed gradient order (%s)",
+                         "find_unused_parameters=True" if self.find_unused else "sharded optimizer")
+            return
+        self.rebuild_caps = (cap_bytes, first_cap_bytes)
 
     # ----------------------------------------------------------------------------- buffers
     def _comm_dtype_of(self, b: Bucket) -> torch.dtype:
@@ -199,6 +218,8 @@ class Reducer:
 
     def _mark_ready(self, i: int) -> None:
         self.ready[i] = 1
+        if self.rebuild_caps is not None:
+            self.observed.append(i)
         b, k = self.loc[i]
         if self.as_view:
             self._grad_into_view(i, b.extra["views"][k])
@@ -325,6 +346,8 @@ class Reducer:
                 self._complete(b, global_used)
             if self.on_all_reduced is not None and not problem:
                 self.on_all_reduced()
+            if self.rebuild_caps is not None and not problem:
+                self._rebuild()
         finally:
             self.in_backward = False
             self.used = bytearray(len(self.params))
@@ -379,6 +402,42 @@ class Reducer:
                 continue
             dsts[k].copy_(buf[s.offset:s.offset + s.numel].view(s.shape))
             k += 1
+
+    def _rebuild(self) -> None:
+        """Buckets from rank 0's observed gradient order (a broadcast every rank makes, once)."""
+        caps, self.rebuild_caps = self.rebuild_caps, None
+        order, self.observed = self.observed, []
+        n = len(self.params)
+        if self.pg is not None:
+            agreed = torch.tensor(order if len(order) == n else list(range(n)), dtype=torch.int64,
+                                  device=comm.comm_device(self.pg))
+            dist.broadcast(agreed, src=comm.global_rank(self.pg, 0), group=self.pg)
+            order = agreed.tolist()
+        if sorted(order) != list(range(n)):
+            return  # not one entry per parameter: keep the buckets (cannot happen without dups)
+        current = [s.param for b in self.buckets for s in b.slots]
+        indices = _buckets.assign(list(enumerate(self.params)), caps[0], caps[1], order=order)
+        if [i for members in indices for i in members] == current:
+            return
+        old_views = {s.param: b.extra["views"][k] for b in self.buckets if "views" in b.extra
+                     for k, s in enumerate(b.slots)}
+        self.buckets = _buckets.build(self.params, indices, self.world, self.sharded)
+        self.loc = [None] * n
+        for b in self.buckets:
+            for k, s in enumerate(b.slots):
+                self.loc[s.param] = (b, k)
+        self._allocate()
+        if self.as_view:  # .grad stays a view of the (new) bucket, holding the same values
+            with torch.no_grad():
+                for b in self.buckets:
+                    for k, s in enumerate(b.slots):
+                        p = self.params[s.param]
+                        if p.grad is not None and p.grad is old_views.get(s.param):
+                            b.extra["views"][k].copy_(p.grad)
+                            p.grad = b.extra["views"][k]
+        self._reset()
+        logger.debug("pyfused DDP: buckets rebuilt from the observed gradient order: %s",
+                     [[s.param for s in b.slots] for b in self.buckets])
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -15,9 +15,11 @@ Semantics follow ``torch.nn.parallel.DistributedDataParallel`` (a one-line switc
 * ``comm_dtype=torch.bfloat16`` reduces in bf16 and writes the result back into the fp32 gradients;
 * ``shard_optimizer=True`` + ``opt = ddp.wrap_optimizer(opt)``: ZeRO-1/2 (pyfused/dp/sharded.py).
 
-Differences from torch DDP (docs/DDP.md): no bucket rebuilding after the first iteration (buckets
-follow reverse registration order), no ``static_graph``, ``join`` or comm hooks (``comm_dtype``
-covers the bf16/fp16 compression hooks), no input scattering to ``device_ids``.
+Buckets follow reverse registration order at first and are rebuilt once from the gradient order the
+first synchronising backward observed (torch DDP's rule; not with find_unused_parameters or a
+sharded optimizer). Differences from torch DDP (docs/DDP.md): no ``static_graph``, ``join`` or comm
+hooks (``comm_dtype`` covers the bf16/fp16 compression hooks), no input scattering to
+``device_ids``.
 """
 from __future__ import annotations
 
@@ -74,14 +76,15 @@ class DistributedDataParallel(nn.Module):
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         params = [p for _, p in trainable]
         self.device = params[0].device
-        indices = _buckets.assign(list(enumerate(params)), cap_bytes,
-                                  min(cap_bytes, _buckets.FIRST_BUCKET_BYTES))
+        first_cap = min(cap_bytes, _buckets.FIRST_BUCKET_BYTES)
+        indices = _buckets.assign(list(enumerate(params)), cap_bytes, first_cap)
         world = comm.world_size(pg)
         self._bucket_list = _buckets.build(params, indices, world, shard_optimizer)
         self._param_names = [n for n, _ in trainable]
         self.reducer = Reducer(params, self._param_names, self._bucket_list, pg, self.device,
                                comm_dtype=comm_dtype, find_unused=find_unused_parameters,
                                as_view=gradient_as_bucket_view, sharded=shard_optimizer)
+        self.reducer.enable_rebuild(cap_bytes, first_cap)
         self._sharded: Optional[ShardedState] = None
         if shard_optimizer:
             self._sharded = ShardedState(params, self._bucket_list, pg, self.device, module,
@@ -156,7 +159,7 @@ class DistributedDataParallel(nn.Module):
         """Per bucket: parameter names, elements, padded length, shard length, dtype."""
         return [dict(index=b.index, params=[self._param_names[s.param] for s in b.slots],
                      numel=b.numel, padded=b.padded, shard=b.shard, dtype=b.dtype)
-                for b in self._bucket_list]
+                for b in self.reducer.buckets]
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         from ..dp import optimizer_state_bytes
