@@ -160,6 +160,7 @@ class Reducer:
     def prepare_for_backward(self, output) -> None:
         """Arm the hooks for the backward of this forward's ``output``."""
         self._reset()
+        self.observed = []  # a backward that raised left a partial record
         self.expect_hooks = True
         outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.grad_fn is not None]
         for t in outs:
@@ -408,13 +409,14 @@ class Reducer:
         caps, self.rebuild_caps = self.rebuild_caps, None
         order, self.observed = self.observed, []
         n = len(self.params)
+        if sorted(order) != list(range(n)):
+            order = [-1] * n  # not one entry per parameter: keep the buckets (rank 0 decides)
         if self.pg is not None:
-            agreed = torch.tensor(order if len(order) == n else list(range(n)), dtype=torch.int64,
-                                  device=comm.comm_device(self.pg))
+            agreed = torch.tensor(order, dtype=torch.int64, device=comm.comm_device(self.pg))
             dist.broadcast(agreed, src=comm.global_rank(self.pg, 0), group=self.pg)
             order = agreed.tolist()
-        if sorted(order) != list(range(n)):
-            return  # not one entry per parameter: keep the buckets (cannot happen without dups)
+        if not order or order[0] < 0:
+            return
         current = [s.param for b in self.buckets for s in b.slots]
         indices = _buckets.assign(list(enumerate(self.params)), caps[0], caps[1], order=order)
         if [i for members in indices for i in members] == current:
