@@ -103,6 +103,8 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
                         f"{tp} (grouped-query attention shards whole KV heads; with k_proj / v_proj "
                         f"in style 'colwise_kv', a TP size that is a multiple of {kv} replicates them)")
             for attr in HEAD_ATTRIBUTES:
+                if attr == "num_key_value_heads" and replicas > 1:
+                    continue  # replicated instead (checked above)
                 v = getattr(m, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v % tp:
                     return f"{name}.{attr}={v} is not divisible by the tensor-parallel size {tp}"
