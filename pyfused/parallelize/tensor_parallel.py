@@ -258,7 +258,7 @@ class TensorParallel:
         groups = getattr(m, "num_key_value_groups", None)
         if self.kv_replicas > 1 and isinstance(groups, int) and not isinstance(groups, bool):
             # query heads per local KV head: (heads / tp) / (kv * replicas / tp)
-            setattr(m, "num_key_value_groups", groups // self.kv_replicas)
+            m.num_key_value_groups = groups // self.kv_replicas
             changed.append(f"num_key_value_groups {groups}->{groups // self.kv_replicas}")
         logger.debug("pyfused.parallelize: %s: %s", name, ", ".join(changed) or
                      "no head-count attribute (shapes come from the projections)")
