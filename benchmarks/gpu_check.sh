@@ -57,7 +57,7 @@ step() {  # step NAME CMD...: run CMD (time-limited), log to $RES/NAME.log, reco
   command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer || echo "no compute-sanitizer";
   } > "$RES/env.txt" 2>&1
 
-FUSED_TESTS="tests/test_fused.py tests/test_symmetric.py tests/test_all_reduce_add_rmsnorm.py"
+FUSED_TESTS="tests/test_fused.py tests/test_fused_gpu.py tests/test_symmetric.py tests/test_all_reduce_add_rmsnorm.py"
 step build env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" \
   $PY -m pip install --no-build-isolation --no-deps --no-index -e .
 step ext $PY -c "import pyfused._C, torch; print('pyfused._C ok:', [n for n in dir(torch.ops.pyfused) if not n.startswith('_')]);
