@@ -44,11 +44,16 @@ def method_transport(method: str, ctx: BenchContext) -> str:
     return "symm-mem" if method == "fused" else ctx.transport
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref|, in fp64 (inf or nan where out is not finite)."""
+    return (out.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(),
+                                                                  1e-30)
+
+
 def agree_close(out: torch.Tensor, ref: torch.Tensor, what: str, ctx: BenchContext) -> None:
     """Raise the same error on every rank if ``out`` differs from ``ref`` on any rank."""
     tol = CHECK_TOL.get(ref.dtype, 5e-2)
-    err = (out.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(),
-                                                                 1e-30)
+    err = relative_error(out, ref)
     worst = torch.tensor([err if math.isfinite(err) else float("inf")], dtype=torch.float64,
                          device=ctx.device if ctx.backend == "nccl" else "cpu")
     if ctx.world > 1:

@@ -145,14 +145,17 @@ def build(op: str, ctx: BenchContext, a: torch.Tensor, b: torch.Tensor, m_full: 
 
 def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) -> None:
     """Run every part once; drop (on every rank) any part that raised or whose output differs from
-    ``ref`` (the unfused method's) by more than ``tol`` relative to max|ref| on any rank."""
-    for label in list(parts.parts):
+    ``ref`` (the unfused method's) by more than ``tol`` relative to max|ref| on any rank. The
+    verdicts travel in one all-reduce after all parts ran."""
+    from .gemm_collective import relative_error
+
+    labels = list(parts.parts)
+    whys = []
+    for label in labels:
         why = ""
         try:
             if label in parts.outputs:
-                got = parts.outputs[label]()
-                err = ((got.double() - ref.double()).abs().max().item()
-                       / max(ref.double().abs().max().item(), 1e-30))
+                err = relative_error(parts.outputs[label](), ref)
                 if not (math.isfinite(err) and err <= tol):
                     why = f"output differs from method='unfused' by {err:.3g} (allowed {tol:g})"
             else:
@@ -161,10 +164,12 @@ def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) ->
                 torch.cuda.synchronize(ctx.device)
         except Exception as e:  # noqa: BLE001 -- any failure drops the row, with its reason
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        failed = torch.tensor([1.0 if why else 0.0],
-                              device=ctx.device if ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.group)
-        if failed.item():
+        whys.append(why)
+    failed = torch.tensor([1.0 if why else 0.0 for why in whys],
+                          device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.group)
+    for label, why, bad in zip(labels, whys, failed.tolist()):
+        if bad:
             parts.unavailable[label] = f"unavailable: {why or 'failed on another rank'}"
             del parts.parts[label]
 

@@ -76,10 +76,7 @@ class Reducer:
         self.sharded = sharded
         self.scale = 1.0 / self.world
         n = len(self.params)
-        self.loc = [None] * n  # param index -> (bucket, position of its slot in the bucket)
-        for b in buckets:
-            for k, s in enumerate(b.slots):
-                self.loc[s.param] = (b, k)
+        self._index_slots()
         self.on_shard_reduced: Optional[Callable[[Bucket, set], None]] = None  # set by ShardedState
         self.on_bucket_launched: Optional[Callable[[Bucket], None]] = None
         self.on_all_reduced: Optional[Callable[[], None]] = None  # set by ShardedState
@@ -109,6 +106,13 @@ class Reducer:
                          "find_unused_parameters=True" if self.find_unused else "sharded optimizer")
             return
         self.rebuild_caps = (cap_bytes, first_cap_bytes)
+
+    def _index_slots(self) -> None:
+        """``loc``: parameter index -> (its bucket, the position of its slot in the bucket)."""
+        self.loc = [None] * len(self.params)
+        for b in self.buckets:
+            for k, s in enumerate(b.slots):
+                self.loc[s.param] = (b, k)
 
     # ----------------------------------------------------------------------------- buffers
     def _comm_dtype_of(self, b: Bucket) -> torch.dtype:
@@ -424,10 +428,7 @@ class Reducer:
         old_views = {s.param: b.extra["views"][k] for b in self.buckets if "views" in b.extra
                      for k, s in enumerate(b.slots)}
         self.buckets = _buckets.build(self.params, indices, self.world, self.sharded)
-        self.loc = [None] * n
-        for b in self.buckets:
-            for k, s in enumerate(b.slots):
-                self.loc[s.param] = (b, k)
+        self._index_slots()
         self._allocate()
         if self.as_view:  # .grad stays a view of the (new) bucket, holding the same values
             with torch.no_grad():

@@ -146,7 +146,6 @@ class TensorParallel:
         self.kv_replicas = 1  # set by apply from the model's head counts
 
     def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1, padded=0) -> ShardSpec:
-        padded = padded if padded != (full_shape[::-1] if transpose else full_shape)[dim or 0] else 0
         return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank, replicas,
                          padded)
 
