@@ -42,6 +42,41 @@ def build(family: str, seed: int = 0, **overrides):
         return tf.MistralForCausalLM(tf.MistralConfig(**common))
     if family == "qwen3":  # per-head q/k RMSNorm over head_dim
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=common["hidden_size"] // 8))
+    return build_family(tf, family, common)
+
+
+def build_family(tf, family: str, common: dict):
+    """The families beyond the Llama core (tests/test_parallelize_families.py): hidden 64, 8 heads of 8
+    (partial rotary needs an even rotary width), dropout off; seq 12 > a sliding window of 4."""
+    cfg = dict(common, hidden_size=64, head_dim=8)
+    window = dict(sliding_window=4)
+    if family == "phi3":  # fused qkv_proj (q wider than k, v) and gate_up_proj
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**{k: v for k, v in cfg.items() if k != "head_dim"},
+                                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                resid_pdrop=0.0, embd_pdrop=0.0))
+    if family == "gemma":  # scaled embedding, (1 + w) RMSNorm, tied head
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**cfg))
+    if family == "gemma2":  # + attention and final logit soft-capping, alternating sliding windows
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**cfg, **window, query_pre_attn_scalar=8,
+                                                    attn_logit_softcapping=5.0,
+                                                    final_logit_softcapping=3.0))
+    if family == "gemma3":  # + per-head q/k norms, a sliding and a full layer
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **cfg, **window, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"][:cfg["num_hidden_layers"]]))
+    if family == "olmo2":  # q/k RMSNorm over the whole projection width
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**{k: v for k, v in cfg.items() if k != "head_dim"},
+                                                  pad_token_id=0, eos_token_id=2))
+    if family == "gpt_neox":  # per-head interleaved query_key_value, parallel residual, partial rotary
+        cfg.pop("head_dim")
+        cfg.pop("num_key_value_heads")
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**cfg, rotary_pct=0.5, hidden_dropout=0.0,
+                                                      attention_dropout=0.0, pad_token_id=0,
+                                                      bos_token_id=1, eos_token_id=2))
+    if family == "stablelm":  # LayerNorm, partial rotary (a quarter of each head)
+        cfg.pop("head_dim")
+        return tf.StableLmForCausalLM(tf.StableLmConfig(**cfg, partial_rotary_factor=0.25,
+                                                        pad_token_id=0))
     raise ValueError(family)
 
 
@@ -152,3 +187,4 @@ def test_vocabulary_padded_when_tp_does_not_divide_it(ranks, family):
     cut back to 101; outputs, gradients and the gathered state dict equal the unpadded model's."""
     assert all(ranks.run(4, _tp_matches, family, [(False, "auto"), (True, "auto")],
                          {"vocab_size": VOCAB + 1}, timeout=300))
+
