@@ -188,3 +188,54 @@ def test_vocabulary_padded_when_tp_does_not_divide_it(ranks, family):
     assert all(ranks.run(4, _tp_matches, family, [(False, "auto"), (True, "auto")],
                          {"vocab_size": VOCAB + 1}, timeout=300))
 
+
+def _report(rank, world):
+    """The report names each module's style and what it became, and the op methods the first call
+    ran: chosen by the ops under overlap="auto" (unfused at this tiny size, with the op's reason),
+    as requested otherwise; recording them emits nothing to the user's handlers."""
+    import contextlib
+    import io
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("pyfused").addHandler(handler)
+    ids, labels = batch()
+    results = {}
+    for overlap in ("auto", "decomposed"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            pm = pyfused.parallelize(build("llama"), mesh, overlap=overlap, verbose=True)
+            before = pm.report()
+            pm(input_ids=ids, labels=labels).loss.backward()
+        rows = {m.name: m for m in pm.report().modules}
+        results[overlap] = (str(before), {n: (m.style, m.module, m.op, m.method, m.why) for n, m in rows.items()},
+                            pm.report().methods(), printed.getvalue())
+    logging.getLogger("pyfused").removeHandler(handler)
+    results["debug records emitted"] = [r.getMessage() for r in seen if r.levelno < logging.WARNING]
+    return results
+
+
+def test_report_lists_styles_and_methods(ranks):
+    got = ranks.run(2, _report, timeout=240)
+    auto, dec = got[0]["auto"], got[0]["decomposed"]
+    assert "not called yet" in auto[0]
+    gate = auto[1]["model.layers.0.mlp.gate_proj"]
+    assert gate[:4] == ("colwise", "SequenceParallelColumn", "all_gather_matmul", "unfused"), gate
+    assert "below" in gate[4], gate  # the op's own reason: the GEMM is below the chunking size
+    down = auto[1]["model.layers.1.mlp.down_proj"]
+    assert down[:4] == ("rowwise", "SequenceParallelRow", "matmul_reduce_scatter", "unfused"), down
+    assert auto[1]["model.layers.0.self_attn.q_proj"][1:3] == ("LocalInputColumn", None)
+    assert auto[1]["model.embed_tokens"][1] == "VocabParallelEmbedding"
+    assert auto[1]["model.layers.0.input_layernorm"][0] == "sequence_parallel"
+    assert auto[2] == {"unfused": 8}  # per layer: gate, up (all_gather_matmul), o, down (reduce-scatter)
+    assert dec[1]["model.layers.1.mlp.down_proj"][3:] == ("decomposed", "requested")
+    # verbose: printed on global rank 0 only, before and after the first call
+    assert got[0]["auto"][3].count("pyfused.parallelize: mesh") == 2 and got[1]["auto"][3] == ""
+    assert got[0]["debug records emitted"] == [] and got[1]["debug records emitted"] == []

@@ -27,6 +27,7 @@ from .. import comm
 from .._logging import logger
 from . import checks as checks_mod
 from . import plans as plans_mod
+from . import report as report_mod
 from . import tensor_parallel as tp_mod
 from .shard import ShardSpec
 
@@ -133,7 +134,7 @@ def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optiona
 
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
                 sequence_parallel: bool = True, overlap: str = "auto", check_weights: bool = True,
-                **pipeline_options) -> "ParallelModel":
+                verbose: bool = False, **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
     ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
@@ -143,6 +144,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
     ``check_weights``: check that every rank holds the same parameter and buffer values (one
     checksum per tensor, exchanged with the fingerprint); False for ranks that differ on purpose.
+    ``verbose``: print the report of what was done (``ParallelModel.report()``) on global rank 0,
+    now and once the first call has recorded the op methods chosen.
     ``pipeline_options``: for pp > 1, see pyfused/parallelize/pipeline.py.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -181,7 +184,12 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         tp.apply(model, resolved)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
-    return ParallelModel(model, info, tp, stage)
+    parallel = ParallelModel(model, info, tp, stage)
+    object.__setattr__(parallel, "_plan_styles", resolved.styles)
+    object.__setattr__(parallel, "_verbose", bool(verbose))
+    if verbose and dist.get_rank() == 0:
+        print(parallel.report(), flush=True)
+    return parallel
 
 
 class ParallelModel(nn.Module):
@@ -204,6 +212,10 @@ class ParallelModel(nn.Module):
             runner = _wrap_data_parallel(module, info.group["dp"])
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
+        object.__setattr__(self, "_recorder", report_mod.MethodRecorder())  # for the first call
+        object.__setattr__(self, "_choices", {})
+        object.__setattr__(self, "_plan_styles", {})
+        object.__setattr__(self, "_verbose", False)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -217,9 +229,28 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_sequence(args, kwargs)
+        recorder = self._recorder
+        if recorder is None:
+            return self._call(args, kwargs)
+        object.__setattr__(self, "_recorder", None)
+        with recorder.recording(self.module):  # the op methods of the first call, for report()
+            out = self._call(args, kwargs)
+        object.__setattr__(self, "_choices", recorder.choices)
+        if self._verbose and dist.get_rank() == 0:
+            print(self.report(), flush=True)
+        return out
+
+    def _call(self, args, kwargs):
         if self._stage is not None:
             return self._stage.run(args, kwargs)
         return self._runner(*args, **kwargs)
+
+    def report(self) -> "report_mod.ParallelizeReport":
+        """Per module of the plan (on this rank's stage): the style applied, what it became, its
+        communication and the op method it ran (unfused / decomposed / fused, and why; under
+        overlap="auto" as chosen by the first call). ``str()`` of it is a table."""
+        return report_mod.build_report(self.module, self._plan_styles, self.mesh_info.describe(),
+                                       self._tp.sp, self._tp.overlap, self._choices)
 
     def _check_sequence(self, args, kwargs) -> None:
         config = getattr(self.module, "config", None)
