@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -58,8 +58,15 @@ def named_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 def tensor_checksums(model: nn.Module) -> Tuple[List[str], List[int]]:
     """(names, one 30-bit checksum per tensor) of the model's parameter and buffer values."""
     named = named_tensors(model)
-    sums = [(_sums(t).cpu() if t.device.type != "meta" and t.numel() else None) for _, t in named]
-    checks = [0 if s is None else zlib.crc32(struct.pack("<qq", *s.tolist())) & 0x3FFFFFFF for s in sums]
+    on_device: Dict[torch.device, List[int]] = {}  # device -> indices of its tensors
+    for i, (_, t) in enumerate(named):
+        if t.device.type != "meta" and t.numel():
+            on_device.setdefault(t.device, []).append(i)
+    checks = [0] * len(named)
+    for indices in on_device.values():  # one transfer to the host per device
+        sums = torch.stack([_sums(named[i][1]) for i in indices]).cpu().tolist()
+        for i, (plain, weighted) in zip(indices, sums):
+            checks[i] = zlib.crc32(struct.pack("<qq", plain, weighted)) & 0x3FFFFFFF
     return [n for n, _ in named], checks
 
 

@@ -116,8 +116,10 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
                             f"by the tensor-parallel size {tp} (KV heads are replicated only for "
                             f"separate k/v projections)")
             if style == "colwise_gate_up":
-                if fout % 2:
-                    return f"{name}: style 'colwise_gate_up' needs an even out_features, got {fout}"
+                ffn = getattr(getattr(model, "config", None), "intermediate_size", None)
+                if fout % 2 or ffn not in (None, fout // 2):
+                    return (f"{name}: style 'colwise_gate_up' needs out_features = 2 x the config's "
+                            f"intermediate_size ({ffn}), got {fout}: not a fused [gate|up] projection")
                 parts = (fout // 2,) * 2
             if style == "rowwise":
                 parts = (fin,)
