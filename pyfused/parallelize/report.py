@@ -95,6 +95,8 @@ def build_report(model: nn.Module, styles: Dict[str, str], mesh: str, sequence_p
             continue  # on another pipeline stage
         cls = type(m).__name__
         op, what = COMMUNICATION.get(cls, (None, STYLE_NOTES.get(style, "")))
+        if style == "colwise_gather_output" and cls == "ColumnParallelLinear":
+            what = "local GEMM + all-gather of the logits (backward: all-reduce of the input gradient)"
         if style in ("attention", "attention_sequence_sharded"):
             what = "head counts divided" + (", input gathered once" if style == "attention" and
                                             sequence_parallel else "")
