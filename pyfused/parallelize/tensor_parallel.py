@@ -86,6 +86,32 @@ def qkv_sections(model: nn.Module, name: str, width: int):
     return heads * head_dim, kv * head_dim, kv * head_dim
 
 
+def _linear_problem(model: nn.Module, name: str, m: nn.Module, style: str, tp: int,
+                    replicas: int) -> Optional[str]:
+    """Why a linear style cannot shard ``m`` over ``tp`` ranks (each fused part must divide), or None."""
+    fin, fout = _linear_dims(m)
+    parts = (fin,) if style == "rowwise" else (fout,)
+    if style == "colwise_qkv":
+        parts = qkv_sections(model, name, fout)
+        if isinstance(parts, str):
+            return parts
+        if replicas > 1:
+            return (f"{name}: a fused [q|k|v] projection needs num_key_value_heads divisible by the "
+                    f"tensor-parallel size {tp} (KV heads are replicated only for separate k/v "
+                    f"projections)")
+    if style == "colwise_gate_up":
+        ffn = getattr(getattr(model, "config", None), "intermediate_size", None)
+        if fout % 2 or ffn not in (None, fout // 2):
+            return (f"{name}: style 'colwise_gate_up' needs out_features = 2 x the config's "
+                    f"intermediate_size ({ffn}), got {fout}: not a fused [gate|up] projection")
+        parts = (fout // 2,) * 2
+    what = ("in_features" if style == "rowwise" else "out_features") + (" part" if len(parts) > 1 else "")
+    bad = [p for p in parts if p % tp]
+    if bad:
+        return f"{name}: {what}={bad[0]} is not divisible by the tensor-parallel size {tp}"
+    return None
+
+
 def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: bool) -> Optional[str]:
     """The first reason TP of size ``tp`` cannot apply the plan to this model, or None."""
     modules = dict(model.named_modules())
@@ -105,30 +131,9 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
                     return f"{name} is tied to {ename} but their vocabulary sizes differ"
             continue  # any vocabulary: padded to a multiple of tp (embedding.py)
         if style in LINEAR_STYLES:
-            fin, fout = _linear_dims(m)
-            parts = (fout,)
-            if style == "colwise_qkv":
-                parts = qkv_sections(model, name, fout)
-                if isinstance(parts, str):
-                    return parts
-                if replicas > 1:
-                    return (f"{name}: a fused [q|k|v] projection needs num_key_value_heads divisible "
-                            f"by the tensor-parallel size {tp} (KV heads are replicated only for "
-                            f"separate k/v projections)")
-            if style == "colwise_gate_up":
-                ffn = getattr(getattr(model, "config", None), "intermediate_size", None)
-                if fout % 2 or ffn not in (None, fout // 2):
-                    return (f"{name}: style 'colwise_gate_up' needs out_features = 2 x the config's "
-                            f"intermediate_size ({ffn}), got {fout}: not a fused [gate|up] projection")
-                parts = (fout // 2,) * 2
-            if style == "rowwise":
-                parts = (fin,)
-            what = "in_features" if style == "rowwise" else "out_features"
-            if len(parts) > 1:
-                what = f"{what} part"
-            bad = [p for p in parts if p % tp]
-            if bad:
-                return (f"{name}: {what}={bad[0]} is not divisible by the tensor-parallel size {tp}")
+            problem = _linear_problem(model, name, m, style, tp, replicas)
+            if problem:
+                return problem
         if style in NORM_STYLES:
             width = m.weight.shape[0]
             chunks = tp // replicas if style == "colwise_norm_kv" else tp
