@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
 
     ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
     stays within the mesh's dim groups.
-    ``plan``: "auto" (Llama family or GPT-2) or ``{module pattern: style}`` (plans.py).
+    ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
     ``check_weights``: check that every rank holds the same parameter and buffer values (one
