@@ -42,13 +42,14 @@ def build(family: str, seed: int = 0, **overrides):
         return tf.MistralForCausalLM(tf.MistralConfig(**common))
     if family == "qwen3":  # per-head q/k RMSNorm over head_dim
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=common["hidden_size"] // 8))
-    return build_family(tf, family, common)
+    return build_family(tf, family, common, overrides)
 
 
-def build_family(tf, family: str, common: dict):
+def build_family(tf, family: str, common: dict, overrides: dict):
     """The families beyond the Llama core (tests/test_parallelize_families.py): hidden 64, 8 heads of 8
     (partial rotary needs an even rotary width), dropout off; seq 12 > a sliding window of 4."""
     cfg = dict(common, hidden_size=64, head_dim=8)
+    cfg.update(overrides)
     window = dict(sliding_window=4)
     if family == "phi3":  # fused qkv_proj (q wider than k, v) and gate_up_proj
         return tf.Phi3ForCausalLM(tf.Phi3Config(**{k: v for k, v in cfg.items() if k != "head_dim"},

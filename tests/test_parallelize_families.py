@@ -50,6 +50,14 @@ def test_families_tensor_parallel(ranks, world):
     assert all(ranks.run(world, _families_match, FAMILIES + extra, [False, True], timeout=600))
 
 
+def test_fused_and_sharded_norms_at_tp3(ranks):
+    # TP=3 (no power of two): Phi-3's unequal fused q|k|v sections and OLMo 2's sharded q/k norms,
+    # 6 heads / 3 KV heads of 8, FFN 45, vocabulary 100 padded to 102; with SP (seq 12)
+    shape = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
+    assert all(ranks.run(3, _families_match, [("phi3", shape, [True]), ("olmo2", shape, [True])], [],
+                         timeout=300))
+
+
 def _families_pipelined(rank, world, families):
     from tests.test_parallelize_mesh import _mesh_matches
 
