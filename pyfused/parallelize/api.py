@@ -92,8 +92,13 @@ def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optiona
     it. A mesh that is not a valid named DeviceMesh is checked over the default group instead.
     ``check_weights``: the exchange also carries one checksum of the parameter and buffer values
     (checks.py); when they differ, a second step names the first tensor that differs."""
+    names, checks = [], []
+    if check_weights and model is not None:
+        try:  # a rank that cannot checksum still takes part in the exchange (no hang)
+            names, checks = checks_mod.tensor_checksums(model)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            problem = problem or f"check_weights: could not checksum the model's tensors ({e!r})"
     err = zlib.crc32(problem.encode()) & 0x3FFFFFFF if problem else 0
-    names, checks = checks_mod.tensor_checksums(model) if check_weights and model is not None else ([], [])
     values = checks_mod.combined(checks) if checks else 0
     # status: model, options (5), error crc (0: none, 1: different errors), all ranks have it,
     # differs, values checksum, values differ
