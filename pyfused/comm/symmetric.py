@@ -31,6 +31,9 @@ Backends (``backend=`` or ``PYFUSED_SYMM_BACKEND``; docs/TESTBED.md compares the
     models of the fused kernels (the CPU kernels of ``pyfused::all_reduce_rows`` / ``symm_barrier``,
     the Triton interpreter) run across real processes in tests. No op chooses it.
   * world size 1 needs no exchange: a plain zeroed tensor on the device ("local").
+  * ranks of one process (``InProcessRank``, the virtual ranks of pyfused/fused/virtual_ranks.py):
+    their group allocates every rank's buffer as an ordinary zeroed tensor of one context and hands
+    each rank its ``SymmetricBuffer`` (backend "virtual"); nothing is exchanged.
 
 The backends' classes are in ``symmetric_backends.py``.
 
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
+from .group import InProcessRank
 from .group import group_name as _group_name
 from .group import rank as _rank
 from .group import resolve_group
@@ -215,6 +219,8 @@ class SymmetricBuffer:
         """This rank's cached buffer of >= ``nbytes`` for ``group`` on ``device``; collective on a
         cache miss. ``gather`` replaces ``dist.all_gather_object`` (tests)."""
         pg = resolve_group(group) if not isinstance(group, dist.ProcessGroup) else group
+        if isinstance(pg, InProcessRank):  # ranks of one process: their group owns the memory
+            return pg.symmetric_buffer(size_class(nbytes), torch.device(device))
         device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
