@@ -141,6 +141,14 @@ def test_adversarial_modes_on_cpu(monkeypatch):
     group.free()
 
 
+def test_sanitizer_driver_virtual_mode_on_cpu():
+    """benchmarks/sanitize_fused.py --virtual (what gpu_check.sh runs under compute-sanitizer)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sanitize_fused.py"),
+                           "--cpu", "--virtual", "--world", "3", "--iters", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "all kernels ran and matched" in proc.stdout, proc.stdout + proc.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------

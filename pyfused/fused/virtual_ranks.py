@@ -15,7 +15,8 @@ cannot show. Here the W ranks are W CUDA streams of one context instead:
   * ``run`` launches every rank from its own host thread, all before any host synchronization: a
     host-blocking step inside one rank's call (a pageable copy) blocks only that rank's thread, never
     another rank's launch. Then it joins the threads, synchronizes the device and reports the
-    kernels' wait timeouts.
+    kernels' wait timeouts. ``launch(..., threads=False)`` queues the ranks in order from one thread
+    without a sync (timing loops, once a first call has built every table).
 
 A barrier between ranks therefore costs microseconds, as on a real node, and the adversarial modes
 make the schedules' assumptions fail loudly: ``delay`` holds one rank back (a sleep kernel on its
@@ -168,15 +169,17 @@ class VirtualGroup:
             stack.enter_context(streams.owned_by((self.name, rank)))
             yield self.ranks[rank]
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
-            delay: Optional[int] = None, delay_s: float = 0.05, skip: Optional[int] = None,
-            timeout_s: float = 300.0) -> List[Any]:
-        """``[fn(rank_handle, *args[r]) for every rank r]``, each rank launched from its own thread on
-        its own stream, all before any host synchronization; then the device is synchronized and
-        the kernels' recorded wait timeouts are raised (``WaitTimeout``).
+    def launch(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
+               delay: Optional[int] = None, delay_s: float = 0.05, skip: Optional[int] = None,
+               threads: bool = True, timeout_s: float = 300.0) -> List[Any]:
+        """Queue ``fn(rank_handle, *args[r])`` for every rank r on its stream, all before any host
+        synchronization, and make the current stream wait for every rank's; no host sync.
 
-        delay: that rank starts ``delay_s`` late (a sleep kernel on its stream on a GPU, a host
-        sleep on CPU). skip: that rank does not take part (its result is None): a lost flag."""
+        threads: launch each rank from its own host thread (a host-blocking step inside one rank's
+        call then blocks only that rank); ``False`` launches them in rank order from this thread,
+        for timing calls already known not to block (warmed up). delay: that rank starts
+        ``delay_s`` late (a sleep kernel on its stream on a GPU, a host sleep on CPU). skip: that
+        rank does not take part (its result is None): a lost flag."""
         args = list(args) or [()] * self.world
         if len(args) != self.world:
             raise ValueError(f"args must hold one tuple per rank ({self.world}), got {len(args)}")
@@ -187,7 +190,7 @@ class VirtualGroup:
         results: List[Any] = [None] * self.world
         errors: List[Optional[BaseException]] = [None] * self.world
 
-        def launch(r: int) -> None:
+        def one(r: int) -> None:
             try:
                 with self.rank_context(r) as handle:
                     if r == delay:
@@ -196,25 +199,38 @@ class VirtualGroup:
             except BaseException as e:  # reported below, rank by rank
                 errors[r] = e
 
-        threads = [threading.Thread(target=launch, args=(r,), name=f"{self.name}-rank{r}")
-                   for r in range(self.world) if r != skip]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s)
-        stuck = [t.name for t in threads if t.is_alive()]
-        if stuck:
-            raise TimeoutError(f"{stuck} did not return within {timeout_s:.0f} s")
+        ranks = [r for r in range(self.world) if r != skip]
+        if threads:
+            workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-rank{r}")
+                       for r in ranks]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(timeout_s)
+            stuck = [t.name for t in workers if t.is_alive()]
+            if stuck:
+                raise TimeoutError(f"{stuck} did not return within {timeout_s:.0f} s")
+        else:
+            for r in ranks:
+                one(r)
         if current is not None:
             for stream in self.streams:
                 current.wait_stream(stream)
-            torch.cuda.synchronize(self.device)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             r, e = failed[0]
             raise RuntimeError(f"virtual rank {r}/{self.world} failed: {type(e).__name__}: {e}"
                                + (f" (and ranks {[q for q, _ in failed[1:]]})" if failed[1:] else "")
                                ) from e
+        return results
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), **launch_kw
+            ) -> List[Any]:
+        """``launch`` from one thread per rank, then synchronize the device and raise the kernels'
+        recorded wait timeouts (``WaitTimeout``); the ranks' results."""
+        results = self.launch(fn, args, **launch_kw)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         from .gemm_collectives import TIMEOUTS
 
         TIMEOUTS.check(sync=True)

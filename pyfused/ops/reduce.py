@@ -89,6 +89,11 @@ class PointerTable:
         return cls(ptrs, tuple(shape), tuple(stride), dtype, device, aligned)
 
 
+# The interpreter keeps the grid index of the running launch in module state, so launches from
+# several threads (virtual ranks on CPU, pyfused/fused/virtual_ranks.py) must not interleave.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def check_backend(device: torch.device, kernel, what: str) -> None:
     """Refuse the two combinations the Triton launch cannot serve (see the module docstring)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -101,7 +106,8 @@ def check_backend(device: torch.device, kernel, what: str) -> None:
         raise RuntimeError(f"{what}: tensors on {device} run only in the Triton interpreter; set "
                            f"TRITON_INTERPRET=1 before pyfused.kernels is imported, or use CUDA tensors")
     if interpreted:
-        problem = interpreter_problem()
+        with _INTERPRETER_LOCK:  # the probe is an interpreted launch too
+            problem = interpreter_problem()
         if problem:
             raise RuntimeError(f"{what}: {problem}")
 
@@ -211,11 +217,6 @@ def timeout_ns(timeout_ms: int) -> int:
     if not isinstance(timeout_ms, int) or timeout_ms < 0:
         raise ValueError(f"timeout_ms must be an int >= 0, got {timeout_ms!r}")
     return min(timeout_ms, 10**9) * 1_000_000 if timeout_ms else 2**62
-
-
-# The interpreter keeps the grid index of the running launch in module state, so launches from
-# several threads (virtual ranks on CPU, pyfused/fused/virtual_ranks.py) must not interleave.
-_INTERPRETER_LOCK = threading.Lock()
 
 
 def serialized(device: torch.device):
