@@ -157,6 +157,36 @@ def test_broken_interpreter_is_named_not_hit(monkeypatch):
     with pytest.raises(RuntimeError, match="multi_source_reduce: interpreter is broken"):
         multi_source_reduce(_rows(2, 10, 16, torch.float32, seed=3))
 
+
+def test_interpreter_tests_are_skipped_where_it_cannot_run(monkeypatch):
+    """Tests marked ``interpreter`` are skipped, with the reason, on a machine with CUDA (no
+    TRITON_INTERPRET) and where the probe fails (the device's triton 3.6 + numpy 2.5)."""
+    from pyfused.ops import reduce as reduce_mod
+    from tests.conftest import _interpreter_problem
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET" in _interpreter_problem()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: "triton 3.6 with numpy >= 2.4")
+    assert _interpreter_problem() == "triton 3.6 with numpy >= 2.4; CI runs it"
+    monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: None)
+    assert _interpreter_problem() is None
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs", [1, 3])
+def test_persistent_grid_covers_every_tile(programs):
+    """The reduce's grid is capped (``num_programs``, a rank's SM budget) below its tile count: each
+    program walks several tiles, across chunks and their waits, and every row is still reduced."""
+    m, n, chunks = 40, 24, 4
+    srcs = _rows(3, m, n, torch.float32, seed=7)
+    flags = torch.ones(chunks, dtype=torch.int32)
+    out = multi_source_reduce(srcs, num_chunks=chunks, chunk_order=[3, 1, 0, 2], wait_flags=flags,
+                              num_programs=programs)
+    assert_close(out, reduce_ref(srcs)[0], torch.float32)
+    with pytest.raises(ValueError, match="num_programs"):
+        multi_source_reduce(srcs, num_programs=0)
+
 # ------------------------------------------------------------------------------------------------
 # GPU variants compiled ahead of time (no GPU needed)
 # ------------------------------------------------------------------------------------------------

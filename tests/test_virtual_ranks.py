@@ -213,3 +213,27 @@ def test_gpu_lost_rank_times_out_with_its_name():
     assert proc.returncode != 0
     assert "barrier timed out after 2000 ms: rank 0 block 0 channel 3 waits for rank 1" in proc.stdout, \
         proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_gpu_pushes_use_a_stream_per_peer(monkeypatch):
+    """all_gather_matmul pushes each peer's chunk on a stream of its own (so a chunk's flag is not
+    queued behind the other peers' copies), and virtual ranks do not share side streams."""
+    from pyfused.comm import streams
+
+    seen = []
+    real = streams.push_streams
+
+    def spy(device, count):
+        out = real(device, count)
+        seen.append([id(s) for s in out])
+        return out
+
+    monkeypatch.setattr(streams, "push_streams", spy)
+    group = _group(4, "cuda")
+    try:
+        _check_case(group, "all_gather_matmul", torch.bfloat16, **GPU_SHAPE)
+    finally:
+        group.free()
+    assert len(seen) == 4 and all(len(set(ids)) == 3 for ids in seen), seen
+    assert len({i for ids in seen for i in ids}) == 12, seen

@@ -141,7 +141,8 @@ def gather_records(pg, mine: Record, gather: Optional[Callable] = None) -> List[
 
 
 def check_records(records: Sequence[Record]) -> Optional[str]:
-    """Why these ranks cannot map each other's buffers, or None. A pure function of ``records``."""
+    """Why these ranks cannot map each other's buffers, or None: a function of ``records``, and,
+    for torch's backend with ranks sharing a device, of its settings (the same on every rank)."""
     failed = [(q, r.error) for q, r in enumerate(records) if r.error]
     if failed:
         return "; ".join(f"rank {q} could not allocate its buffer: {e}" for q, e in failed)
@@ -163,8 +164,23 @@ def check_records(records: Sequence[Record]) -> Optional[str]:
                 return (f"ranks {seen[r.device_index]} and {q} share cuda:{r.device_index}; torch "
                         f"symmetric memory maps one device per rank unless {OVERLAP_ENV}=1 is set "
                         f"(docs/TESTBED.md)")
+            if r.device_index in seen and _torch_symm_backend(r.device_index) == "NVSHMEM":
+                return (f"ranks {seen[r.device_index]} and {q} share cuda:{r.device_index}, and torch "
+                        f"symmetric memory uses NVSHMEM, which cannot host several ranks on one GPU: "
+                        f"set TORCH_SYMMMEM=CUDA (docs/TESTBED.md)")
             seen.setdefault(r.device_index, q)
     return None
+
+
+def _torch_symm_backend(device_index: int) -> Optional[str]:
+    """torch symmetric memory's allocation backend on cuda:``device_index`` ("CUDA", "NVSHMEM",
+    "NCCL"), or None where this torch cannot say."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        return symm_mem.get_backend(torch.device("cuda", device_index))
+    except Exception:  # an older torch, or no backend chosen yet
+        return None
 
 
 def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
