@@ -116,7 +116,10 @@ export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-30000}
 # torch symmetric memory, for the multi-process smoke only: the CUDA backend (NVSHMEM cannot host
 # several ranks on one GPU), and several ranks per device allowed. env.txt records what took.
 export TORCH_SYMMMEM=CUDA TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
-export TRITON_CACHE_DIR=$PWD/$CARRY/triton_cache
+# The Triton cache travels from call 1 to calls 2 and 3: binaries and metadata only (no IRs), so its
+# tarball stays under what a returned file may hold. Its index holds absolute paths: a call whose
+# checkout sits elsewhere recompiles (slower, still correct).
+export TRITON_CACHE_DIR=$PWD/$CARRY/triton_cache TRITON_STORE_BINARY_ONLY=1
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
 SANITIZER="${SANITIZER:-compute-sanitizer} --target-processes all --error-exitcode 9 --print-limit 50"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr ' ' '-')
