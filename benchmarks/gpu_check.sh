@@ -31,10 +31,10 @@ call_steps() {
   case $1 in
   1) cat <<'EOF'
 env         15  gpu_env
-build       240 gpu_build
+build       210 gpu_build
 ext         15  $PY -c "import pyfused._C, torch; from pyfused.comm.symmetric import check_layout; check_layout(); print('ops:', sorted(n for n in dir(torch.ops.pyfused) if not n.startswith('_')))"
-tests_1rank 120 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py -k "not w2 and not w4"
-warm        60  $PY benchmarks/bench_virtual_ranks.py --warm
+tests_1rank 150 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py -k "not w2 and not w4"
+warm        75  $PY benchmarks/bench_virtual_ranks.py --warm
 pack        15  gpu_pack_cache
 EOF
   ;;
