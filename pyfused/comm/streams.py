@@ -30,6 +30,12 @@ def owned_by(owner: Hashable) -> Iterator[None]:
         _OWNER.reset(token)
 
 
+def forget_owner(owner: Hashable) -> None:
+    """Drop the cached side streams of ``owner`` (a virtual rank that is done)."""
+    for key in [k for k in _streams if k[1] == owner]:
+        del _streams[key]
+
+
 def _side_stream(device: torch.device, slot: int) -> Optional["torch.cuda.Stream"]:
     if device.type != "cuda":
         return None

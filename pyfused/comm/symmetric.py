@@ -299,7 +299,7 @@ class SymmetricBuffer:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.world > 1:
+        if self.world > 1 and not isinstance(self.pg, InProcessRank):  # in-process: synchronized
             dist.barrier(group=self.pg)
         SymmetricBuffer._cache.pop(self.key, None)
         mapping, self._mapping, self._ptr_tables = self._mapping, None, None

@@ -137,26 +137,27 @@ class VirtualGroup:
         with self._lock:
             return [self._sizes[k].buffers for k in sorted(self._sizes)]
 
-    def poison(self, value: float = float("nan")) -> None:
-        """Fill every rank's data areas (not the signal pads) with ``value`` in every float dtype's
-        bytes: 0xFF bytes are NaN in fp32, fp16 and bf16 alike. Stream-ordered before the next run."""
-        byte = 0xFF if value != value else int(value)
+    def poison(self) -> None:
+        """Fill every rank's data areas (not the signal pads) with NaN: 0xFF bytes are NaN in fp32,
+        fp16 and bf16 alike. Stream-ordered (current stream) before the next launch."""
         for size in self.buffers():
             for buf in size:
-                buf.local_view().fill_(byte)
+                buf.local_view().fill_(0xFF)
 
     def free(self) -> None:
-        """Drop every buffer (after the device finished with them)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Free every buffer (``SymmetricBuffer.free``: after the device finished with them)."""
         with self._lock:
-            for size in self._sizes.values():
-                for buf in size.buffers:
-                    buf._mapping = None
-                    buf.extras.clear()
-            self._sizes.clear()
+            sizes, self._sizes = list(self._sizes.values()), {}
+        for size in sizes:
+            for buf in size.buffers:
+                buf.free()
+        for r in range(self.world):
+            streams.forget_owner(self._owner(r))
 
     # -- launching --------------------------------------------------------------------------------
+
+    def _owner(self, rank: int):
+        return (self.name, rank)
 
     @contextlib.contextmanager
     def rank_context(self, rank: int) -> Iterator[VirtualRank]:
@@ -166,7 +167,7 @@ class VirtualGroup:
             if stream is not None:
                 stack.enter_context(torch.cuda.stream(stream))
             stack.enter_context(config.sm_budget(self.sm_budget))
-            stack.enter_context(streams.owned_by((self.name, rank)))
+            stack.enter_context(streams.owned_by(self._owner(rank)))
             yield self.ranks[rank]
 
     def launch(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
