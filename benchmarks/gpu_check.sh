@@ -42,8 +42,9 @@ EOF
 install     45  gpu_install
 env         15  gpu_env
 virtual     210 $PYTEST -m gpu tests/test_virtual_ranks.py
+symm_probe  40  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
 memcheck    90  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --virtual --world 4 --iters 1
-symm_w2     90  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
+symm_w2     60  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
 EOF
   ;;
   3) cat <<'EOF'
@@ -146,7 +147,7 @@ print("TORCH_SYMMMEM", os.environ.get("TORCH_SYMMMEM"), "| get_backend(cuda:0):"
 lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
 print("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES =", os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"),
       "| named in libtorch_cuda:", b"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES" in open(lib, "rb").read(),
-      "| honoured: see step symm_w2 (call 2)")
+      "| honoured: see the symm-mem probe line (call 2, step symm_probe)")
 PYEOF
     command -v compute-sanitizer || echo "compute-sanitizer: $SANITIZER"
   } > "$RES/env.txt" 2>&1
