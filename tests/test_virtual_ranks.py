@@ -82,9 +82,9 @@ def test_rank_stream_buffer_tables():
 
 
 def test_sm_budget_reaches_every_launch(monkeypatch):
-    """Every persistent kernel of a fused call is capped at the group's SM budget, and the all-reduce
-    kernel's blocks too; outside a rank's context the device default applies."""
-    from pyfused.fused import all_reduce, config, gemm_collectives
+    """Every persistent kernel of a fused call is capped at the group's SM budget, launched from a
+    thread per rank or in order from one; outside a rank's context the device default applies."""
+    from pyfused.fused import config, gemm_collectives
 
     seen = []
     real_gemm, real_reduce = gemm_collectives.gemm, gemm_collectives.multi_source_reduce
@@ -100,12 +100,24 @@ def test_sm_budget_reaches_every_launch(monkeypatch):
     monkeypatch.setattr(gemm_collectives, "gemm", spy_gemm)
     monkeypatch.setattr(gemm_collectives, "multi_source_reduce", spy_reduce)
     group = _group(2, sm_budget=3)
-    budgets = group.run(lambda pg: (config.budget_in_force(), config.grid_budget(group.device)))
-    assert budgets == [(3, 3), (3, 3)]
+    def budget(pg):
+        return pg.rank, config.budget_in_force(), config.grid_budget(group.device)
+
+    assert group.run(budget) == [(0, 3, 3), (1, 3, 3)]
+    assert group.launch(budget, threads=False) == [(0, 3, 3), (1, 3, 3)]  # the timing loops' path
     assert config.budget_in_force() is None and config.grid_budget(torch.device("cpu")) == 4
     for name in ("all_gather_matmul", "matmul_reduce_scatter"):
         _check_case(group, name, torch.float32, **CPU_SHAPE)
     assert sorted(set(seen)) == [("gemm", 3), ("reduce", 3)] and len(seen) == 2 + 2 * 2
+    real_ar = torch.ops.pyfused.all_reduce_rows
+
+    def spy_all_reduce(*args):
+        seen.append(("all_reduce_rows", args[-1]))  # max_blocks
+        return real_ar(*args)
+
+    monkeypatch.setattr(torch.ops.pyfused, "all_reduce_rows", spy_all_reduce)
+    _check_case(group, "all_reduce_add_rmsnorm.one_shot", torch.float32, **CPU_SHAPE)
+    assert seen[-2:] == [("all_reduce_rows", 3)] * 2
     group.free()
 
 
