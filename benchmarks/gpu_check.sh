@@ -13,7 +13,8 @@
 # CALL_MAX s, under the tool's 600 s), whatever happened before it (no `set -e`), and after every
 # step -- and on exit, by a trap -- the logs, summary.txt and the results tarball are copied to
 # $OUT, so a call killed at its limit still returns everything that ran. The exit status is 1 if
-# any step failed. Results: benchmarks/results/<date>_<gpu>/call<N>/ (commit them; GPU_CHECK_RESULTS
+# any step failed. The sanitizer steps run one process per rank, not virtual ranks: a sanitizer
+# may serialize a process's kernel launches, and virtual ranks' kernels wait on each other. Results: benchmarks/results/<date>_<gpu>/call<N>/ (commit them; GPU_CHECK_RESULTS
 # names another root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +44,8 @@ install     45  gpu_install
 env         15  gpu_env
 virtual     210 $PYTEST -m gpu tests/test_virtual_ranks.py
 symm_probe  40  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
-memcheck    90  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --virtual --world 4 --iters 1
+memcheck_w1 40  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
+memcheck_w2 60  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
 symm_w2     60  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
 EOF
   ;;
@@ -52,7 +54,7 @@ install     45  gpu_install
 env         15  gpu_env
 bench_vr    240 $PY -m pyfused.bench --suites virtual_ranks --dtype bfloat16 --out $RES/bench_virtual_ranks
 bench_1gpu  120 $PY -m pyfused.bench --suites gemm,reduce --out $RES/bench_1gpu
-racecheck   60  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --virtual --world 2 --iters 1
+racecheck   60  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
 EOF
   ;;
   esac

@@ -16,7 +16,10 @@ error exits 1 (and the sanitizer exits 9 on a memory or race error it found).
 ``--virtual`` runs the ranks as virtual ranks of this one process instead
 (pyfused/fused/virtual_ranks.py: one stream and an SM share per rank, truly concurrent on one GPU),
 every case of pyfused/fused/virtual_cases.py in bf16: what the sanitizer sees is then one process
-whose ranks' kernels run at the same time, as on a node, rather than time-sliced processes.
+whose ranks' kernels run at the same time, as on a node, rather than time-sliced processes -- where
+the tool lets them: a tool that serializes a process's kernel launches deadlocks virtual ranks
+(their kernels wait on each other) until the fused timeout, so benchmarks/gpu_check.sh runs the
+sanitizer over one process per rank.
 
 ``--cpu`` runs the same driver on CPU (host-shm buffers, CPU kernels, Triton interpreter): a check
 of the driver itself where there is no GPU (tests/test_fused.py runs it).
