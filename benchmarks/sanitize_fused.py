@@ -1,4 +1,5 @@
-"""Driver for compute-sanitizer over the fused kernels (benchmarks/gpu_check.sh, steps sanitize_*).
+"""Driver for compute-sanitizer over the fused kernels (benchmarks/gpu_check.sh, steps memcheck_*,
+racecheck).
 
     compute-sanitizer --tool memcheck  --target-processes all --error-exitcode 9 \
         python benchmarks/sanitize_fused.py --world 2

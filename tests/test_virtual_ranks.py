@@ -154,7 +154,7 @@ def test_adversarial_modes_on_cpu(monkeypatch):
 
 
 def test_sanitizer_driver_virtual_mode_on_cpu():
-    """benchmarks/sanitize_fused.py --virtual (what gpu_check.sh runs under compute-sanitizer)."""
+    """benchmarks/sanitize_fused.py --virtual: every case through the driver, in one process."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sanitize_fused.py"),
                            "--cpu", "--virtual", "--world", "3", "--iters", "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
