@@ -137,19 +137,25 @@ gpu_env() {  # first-10-second facts
   { date -u; git rev-parse HEAD 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total,clocks.max.sm --format=csv
     $PY - <<'PYEOF'
-import os, torch, triton, numpy
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
-      "numpy", numpy.__version__, "nccl", torch.cuda.nccl.version())
-p = torch.cuda.get_device_properties(0)
-print("device", p.name, "SMs", p.multi_processor_count, "cc", f"{p.major}.{p.minor}")
+import os
+def fact(name, get):  # one line per fact; a failing probe is a fact too
+    try:
+        print(f"{name}: {get()}")
+    except Exception as e:
+        print(f"{name}: unknown ({type(e).__name__}: {e})")
+import torch, triton, numpy
+fact("versions", lambda: f"torch {torch.__version__} cuda {torch.version.cuda} triton {triton.__version__} "
+     f"numpy {numpy.__version__} nccl {torch.cuda.nccl.version()}")
+fact("device", lambda: (lambda p: f"{p.name}, {p.multi_processor_count} SMs, cc {p.major}.{p.minor}")(
+     torch.cuda.get_device_properties(0)))
 from torch.distributed import _symmetric_memory as sm
-print("TORCH_SYMMMEM", os.environ.get("TORCH_SYMMMEM"), "| get_backend(cuda:0):",
-      sm.get_backend("cuda:0") if hasattr(sm, "get_backend") else "n/a",
-      "| nvshmem available:", sm.is_nvshmem_available() if hasattr(sm, "is_nvshmem_available") else "n/a")
+fact("TORCH_SYMMMEM", lambda: os.environ.get("TORCH_SYMMMEM"))
+fact("symmetric-memory backend for cuda:0 (torch's get_backend)", lambda: sm.get_backend("cuda:0"))
+fact("NVSHMEM available", lambda: sm.is_nvshmem_available())
 lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
-print("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES =", os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"),
-      "| named in libtorch_cuda:", b"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES" in open(lib, "rb").read(),
-      "| honoured: see the symm-mem probe line (call 2, step symm_probe)")
+fact("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", lambda: f"{os.environ.get('TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES')}"
+     f" (named in libtorch_cuda: {b'TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES' in open(lib, 'rb').read()}; "
+     f"honoured: see the symm-mem probe line, call 2 step symm_probe)")
 PYEOF
     command -v compute-sanitizer || echo "compute-sanitizer: $SANITIZER"
   } > "$RES/env.txt" 2>&1
