@@ -107,6 +107,7 @@ class _Layout:
 def model_state_dict(pm) -> Dict[str, Tensor]:
     """This rank's part of the original model's state dict, described for DCP (views of the
     parameters and buffers: ``dcp.load`` into it loads the model in place)."""
+    pm = _as_parallel(pm)
     layout = _Layout(pm)
     out = {}
     for key, t in pm.module.state_dict(keep_vars=True).items():
@@ -119,9 +120,16 @@ def model_state_dict(pm) -> Dict[str, Tensor]:
 
 
 def _param_names(pm) -> Dict[int, str]:
+    """``{id(parameter): its name in the original model}``; a parameter shared by several modules
+    (a tied LM head) is named as the original's ``named_parameters()`` names it, also on the last
+    pipeline stage, whose head is a copy of the first stage's embedding."""
     names = {}
     for name, p in pm.module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
+    stage = pm._stage
+    if stage is not None and stage.tied is not None and stage.is_last:
+        head = stage.top.get_submodule(stage.tied[1]).weight
+        names[id(head)] = f"{stage.tied[0]}.weight"
     return names
 
 
@@ -130,8 +138,8 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     gradients and a learning rate of 0, which leaves the parameters as they are."""
     if optimizer.state:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for p in params:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:  # ZeRO pieces too (views of a master shard, requires_grad False)
         p.grad = torch.zeros_like(p)
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -148,24 +156,32 @@ def optimizer_state_dict(pm, optimizer: torch.optim.Optimizer) -> Dict[str, Any]
     ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}`` (the layout of
     ``get_optimizer_state_dict``). State tensors shaped like their parameter are described like it;
     ``param_groups`` list every stage's parameters (a collective over the pipeline group)."""
+    return _optimizer_state_dict(_as_parallel(pm), optimizer, [])
+
+
+def _optimizer_state_dict(pm, optimizer, copy_back: list) -> Dict[str, Any]:
     _init_optimizer_state(optimizer)
     layout, names = _Layout(pm), _param_names(pm)
+    pieces = zero_pieces(pm)
     state: Dict[str, Dict[str, Any]] = {}
     groups = []
     for g in optimizer.param_groups:
         members = []
         for p in g["params"]:
-            name = names.get(id(p))
+            piece = pieces.get(id(p))
+            owner = piece[0] if piece is not None else p
+            name = names.get(id(owner))
             if name is None:
                 raise ValueError("pyfused checkpoint: the optimizer holds a tensor that is not a "
                                  "parameter of the parallelized model; build it from pm.parameters()")
             members.append(name)
-            if id(p) in layout.stale or p not in optimizer.state:
+            if id(owner) in layout.stale or p not in optimizer.state:
                 continue
             entries = {}
             for k, v in optimizer.state[p].items():
                 if isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0:
-                    v = layout.entry(name, v, like=p)
+                    v = (layout.entry(name, v, like=p) if piece is None
+                         else zero_entry(pm, name, owner, piece[1], v, copy_back))
                 entries[k] = v
             if all(v is not None for v in entries.values()):
                 state[name] = entries
@@ -195,9 +211,13 @@ def _apply_param_groups(optimizer: torch.optim.Optimizer, saved: List[dict]) -> 
 def state_dict(pm, optimizer: Optional[torch.optim.Optimizer] = None,
                extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``{"model": ..., "optim": ..., "extra": ...}`` for ``dcp.save`` / ``dcp.load``."""
+    return _state_dict(_as_parallel(pm), optimizer, extra, [])
+
+
+def _state_dict(pm, optimizer, extra, copy_back: list) -> Dict[str, Any]:
     out: Dict[str, Any] = {"model": model_state_dict(pm)}
     if optimizer is not None:
-        out["optim"] = optimizer_state_dict(pm, optimizer)
+        out["optim"] = _optimizer_state_dict(pm, optimizer, copy_back)
     if extra is not None:
         out["extra"] = dict(extra)
     return out
@@ -208,17 +228,23 @@ def save(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
     """Write ``pm`` (and ``optimizer``; ``extra``: small picklable values such as the step, the same
     on every rank) to the DCP checkpoint ``checkpoint_id`` (a directory). A collective: every rank
     of the mesh calls it."""
+    pm = _as_parallel(pm)
     _synchronize(pm)
-    dcp.save(state_dict(pm, optimizer, extra), checkpoint_id=checkpoint_id, **dcp_options)
+    dcp.save(_state_dict(pm, optimizer, extra, []), checkpoint_id=checkpoint_id, **dcp_options)
 
 
 def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
          extra: Optional[Dict[str, Any]] = None, **dcp_options) -> Dict[str, Any]:
     """Load a checkpoint written by ``save`` on any mesh into ``pm`` (and ``optimizer``), in place.
     ``extra``: the keys (with example values) to read back; returns them. A collective."""
+    pm = _as_parallel(pm)
     _synchronize(pm)
-    state = state_dict(pm, optimizer, extra)
+    copy_back: list = []
+    state = _state_dict(pm, optimizer, extra, copy_back)
     dcp.load(state, checkpoint_id=checkpoint_id, **dcp_options)
+    with torch.no_grad():
+        for staged, target in copy_back:
+            target.copy_(staged)
     if optimizer is not None:
         _apply_param_groups(optimizer, state["optim"]["param_groups"])
     _after_load(pm)
@@ -228,6 +254,103 @@ def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
 def _ddp_modules(pm):
     runner = pm._runner if pm._stage is None else pm._stage.ddp
     return [runner] if runner is not None and hasattr(runner, "synchronize_params") else []
+
+
+# ---- models that are not a ParallelModel: pyfused's DistributedDataParallel, a plain module ----------
+class _Unsharded:
+    """A model without tensor or pipeline parallelism, seen as a ParallelModel: every tensor is the
+    original's (a DistributedDataParallel replica, or the plain module itself)."""
+
+    _stage = None
+
+    def __init__(self, model: torch.nn.Module):
+        self._runner = model
+        self.module = getattr(model, "module", model) if hasattr(model, "synchronize_params") else model
+
+    def _spec_of(self, key: str, t: Tensor) -> ShardSpec:
+        return ShardSpec(tuple(t.shape))
+
+
+def _as_parallel(model):
+    from .api import ParallelModel
+
+    return model if isinstance(model, (ParallelModel, _Unsharded)) else _Unsharded(model)
+
+
+# ---- ZeRO: optimizer state of a DistributedDataParallel(shard_optimizer=True) -------------------------
+def zero_pieces(pm) -> Dict[int, Tuple[Tensor, int]]:
+    """``{id(piece): (its parameter, first element)}`` for the ZeRO pieces this rank's optimizer
+    steps: a piece is a flat range of its parameter's (local) elements (pyfused/dp/sharded.py)."""
+    out = {}
+    for ddp in _ddp_modules(pm):
+        sharded = getattr(ddp, "_sharded", None)
+        if sharded is not None:
+            for pc in sharded.pieces_of():
+                out[id(pc.tensor)] = (sharded.params[pc.param], pc.p_lo)
+    return out
+
+
+def _flat_range_boxes(shape: Tuple[int, ...], first: int, n: int) -> Tuple[int, List[Box]]:
+    """Elements [first, first + n) of a row-major tensor of ``shape`` (1-D or 2-D) as boxes of a
+    staging tensor holding the rows they span: (its first row, [(offset in the staging tensor,
+    offset in the tensor, size)])."""
+    if len(shape) == 1:  # the staging tensor is the piece itself
+        return 0, [((0,), (first,), (n,))]
+    if len(shape) != 2:
+        raise ValueError(f"pyfused checkpoint: ZeRO optimizer state of a {len(shape)}-D parameter "
+                         "is not supported (1-D and 2-D are)")
+    cols = shape[1]
+    row0, end = first // cols, first + n
+    boxes, at = [], first
+    while at < end:
+        row, col = divmod(at, cols)
+        if col == 0 and end - at >= cols:  # whole rows
+            rows = (end - at) // cols
+            boxes.append(((row - row0, 0), (row, 0), (rows, cols)))
+            at += rows * cols
+        else:
+            width = min(cols - col, end - at)
+            boxes.append(((row - row0, col), (row, col), (1, width)))
+            at += width
+    return row0, boxes
+
+
+def _intersect(box: Box, shard: Box) -> Optional[Box]:
+    """The part of ``box`` (staging offset, offset in the local tensor, size) inside the TP box
+    ``shard`` (offset in the local tensor, offset in the original, size), with its offset in the
+    original instead of the local one."""
+    s_lo, l_lo, size = box
+    t_lo, g_lo, t_size = shard
+    lo = [max(a, b) for a, b in zip(l_lo, t_lo)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(l_lo, size, t_lo, t_size)]
+    if any(h <= x for x, h in zip(lo, hi)):
+        return None
+    return (tuple(s + x - a for s, x, a in zip(s_lo, lo, l_lo)),
+            tuple(g + x - t for g, x, t in zip(g_lo, lo, t_lo)),
+            tuple(h - x for x, h in zip(lo, hi)))
+
+
+def zero_entry(pm, name: str, param: Tensor, first: int, value: Tensor,
+               copy_back: list) -> Optional[Tensor]:
+    """A ZeRO piece's state tensor ``value`` (elements [first, first + n) of ``param``, flattened)
+    as DCP should see it: a staging tensor over the rows the piece spans, with one box per row run
+    (and per TP box). ``copy_back`` gets (staging, value) so that a load can copy it back."""
+    spec = pm._spec_of(name, param)
+    shape = tuple(param.shape)
+    row0, boxes = _flat_range_boxes(shape, first, value.numel())
+    if len(shape) == 1:
+        staged = value
+    else:
+        rows = boxes[-1][0][0] + boxes[-1][2][0]
+        staged = value.new_zeros((rows, shape[1]))
+        start = first - row0 * shape[1]
+        staged.view(-1)[start:start + value.numel()].copy_(value.detach())
+        copy_back.append((staged.view(-1)[start:start + value.numel()], value))
+    tp_boxes = spec_boxes(spec, shape)
+    mapped = [m for b in boxes for t in tp_boxes for m in [_intersect(b, t)] if m is not None]
+    if not mapped:
+        return None
+    return _checkpointable(staged, mapped, spec.full_shape, spec.transpose)
 
 
 def _synchronize(pm) -> None:
