@@ -20,9 +20,14 @@ So a checkpoint describes the original model, whatever the mesh that wrote it:
   * pipeline stages: each stage holds its own keys; the stale copies of ``replicate`` modules on
     later stages (never trained) are left out.
 
+  * a ZeRO-sharded optimizer (pyfused's ``DistributedDataParallel(shard_optimizer=True)``): each
+    piece, a flat range of a parameter's elements, is staged in a tensor over the rows it spans
+    and described as one box per run of rows (and per TP box);
+
 Loading builds the same description on the new mesh and DCP reads, for every local box, the pieces
-of the saved boxes that overlap it, straight into the parameters and optimizer state. The result is
-an ordinary DCP checkpoint: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it
+of the saved boxes that overlap it, straight into the parameters and optimizer state (ZeRO pieces
+through their staging tensors). ``save`` / ``load`` also take a pyfused ``DistributedDataParallel``
+or a plain module in place of a ``ParallelModel``. The result is an ordinary DCP checkpoint: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it
 into the original model's state dict, and ``dcp.load`` fills a plain single-process model's.
 """
 from __future__ import annotations
@@ -133,10 +138,18 @@ def _param_names(pm) -> Dict[int, str]:
     return names
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (so that DCP can load into them): one step with zero
-    gradients and a learning rate of 0, which leaves the parameters as they are."""
-    if optimizer.state:
+    gradients and a learning rate of 0, which leaves the parameters as they are. A ZeRO optimizer's
+    step gathers the parameters over the dp group, so there the ranks agree first (a rank whose
+    shard holds no piece has no state even after training)."""
+    needed = not optimizer.state
+    zero = [d._sharded for d in _ddp_modules(pm) if getattr(d, "_sharded", None) is not None]
+    if zero:
+        flag = torch.tensor([int(needed)], device=zero[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=zero[0].pg)
+        needed = bool(flag.item())
+    if not needed:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p in params:  # ZeRO pieces too (views of a master shard, requires_grad False)
@@ -156,11 +169,14 @@ def optimizer_state_dict(pm, optimizer: torch.optim.Optimizer) -> Dict[str, Any]
     ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}`` (the layout of
     ``get_optimizer_state_dict``). State tensors shaped like their parameter are described like it;
     ``param_groups`` list every stage's parameters (a collective over the pipeline group)."""
-    return _optimizer_state_dict(_as_parallel(pm), optimizer, [])
+    return _optimizer_state_dict(_as_parallel(pm), optimizer, None)
 
 
-def _optimizer_state_dict(pm, optimizer, copy_back: list) -> Dict[str, Any]:
-    _init_optimizer_state(optimizer)
+def _optimizer_state_dict(pm, optimizer, copy_back: Optional[list]) -> Dict[str, Any]:
+    """``copy_back``: None to save; a list to load into (the state is created first, and the ZeRO
+    staging tensors to copy back after DCP filled them are appended)."""
+    if copy_back is not None:
+        _init_optimizer_state(pm, optimizer)
     layout, names = _Layout(pm), _param_names(pm)
     pieces = zero_pieces(pm)
     state: Dict[str, Dict[str, Any]] = {}
@@ -181,7 +197,8 @@ def _optimizer_state_dict(pm, optimizer, copy_back: list) -> Dict[str, Any]:
             for k, v in optimizer.state[p].items():
                 if isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0:
                     v = (layout.entry(name, v, like=p) if piece is None
-                         else zero_entry(pm, name, owner, piece[1], v, copy_back))
+                         else zero_entry(pm, name, owner, piece[1], v,
+                                         [] if copy_back is None else copy_back))
                 entries[k] = v
             if all(v is not None for v in entries.values()):
                 state[name] = entries
@@ -210,11 +227,13 @@ def _apply_param_groups(optimizer: torch.optim.Optimizer, saved: List[dict]) -> 
 
 def state_dict(pm, optimizer: Optional[torch.optim.Optimizer] = None,
                extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """``{"model": ..., "optim": ..., "extra": ...}`` for ``dcp.save`` / ``dcp.load``."""
-    return _state_dict(_as_parallel(pm), optimizer, extra, [])
+    """``{"model": ..., "optim": ..., "extra": ...}`` as ``save`` hands it to ``dcp.save`` (to add
+    entries of your own, or another storage writer). Load with ``load``: it creates the optimizer
+    state first and copies ZeRO pieces back from their staging tensors."""
+    return _state_dict(_as_parallel(pm), optimizer, extra, None)
 
 
-def _state_dict(pm, optimizer, extra, copy_back: list) -> Dict[str, Any]:
+def _state_dict(pm, optimizer, extra, copy_back: Optional[list]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"model": model_state_dict(pm)}
     if optimizer is not None:
         out["optim"] = _optimizer_state_dict(pm, optimizer, copy_back)
@@ -230,7 +249,7 @@ def save(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
     of the mesh calls it."""
     pm = _as_parallel(pm)
     _synchronize(pm)
-    dcp.save(_state_dict(pm, optimizer, extra, []), checkpoint_id=checkpoint_id, **dcp_options)
+    dcp.save(_state_dict(pm, optimizer, extra, None), checkpoint_id=checkpoint_id, **dcp_options)
 
 
 def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
