@@ -115,6 +115,10 @@ def _load_zero(rank, world, path, resaved, saved, losses):
     from pyfused.layers import DistributedDataParallel
     from pyfused.parallelize import checkpoint
 
+    # another model config: the same clear error on every rank (DCP plans the load collectively)
+    other = DistributedDataParallel(build("llama", seed=1, **MODEL, intermediate_size=48))
+    with pytest.raises(checkpoint.CheckpointError, match="failed on ranks .0, 1, 2, 3.*Size mismatch"):
+        checkpoint.load(path, other)
     # small buckets: many pieces, most of them starting and ending inside a row
     ddp = DistributedDataParallel(build("llama", seed=1, **MODEL), bucket_cap_mb=0.004,
                                   shard_optimizer=True)

@@ -44,6 +44,24 @@ from .shard import ShardSpec
 Box = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # local offset, global offset, size
 
 
+class CheckpointError(RuntimeError):
+    """A DCP save or load failed; the same message on every rank (DCP plans collectively and hands
+    every rank every rank's failure)."""
+
+
+def _run(what: str, checkpoint_id, fn, *args, **kwargs):
+    """``fn`` (dcp.save / dcp.load), its ``CheckpointException`` -- a BaseException, which
+    ``except Exception`` does not catch -- raised as a CheckpointError naming the first failure."""
+    try:
+        return fn(*args, checkpoint_id=checkpoint_id, **kwargs)
+    except dcp.CheckpointException as e:
+        ranks = sorted(e.failures)
+        first = e.failures[ranks[0]]
+        first = first[0] if isinstance(first, tuple) else first
+        raise CheckpointError(f"pyfused checkpoint: {what} {checkpoint_id} failed on ranks {ranks}; "
+                              f"rank {ranks[0]}: {type(first).__name__}: {first}") from e
+
+
 def spec_boxes(spec: ShardSpec, local_shape: Tuple[int, ...]) -> List[Box]:
     """The rectangular pieces of the original tensor a local shard holds, in the shard's own layout
     (``[out, in]`` for a transposed ``Conv1D``): (offset in the shard, offset in the original, size).
@@ -249,18 +267,19 @@ def save(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
     of the mesh calls it."""
     pm = _as_parallel(pm)
     _synchronize(pm)
-    dcp.save(_state_dict(pm, optimizer, extra, None), checkpoint_id=checkpoint_id, **dcp_options)
+    _run("saving", checkpoint_id, dcp.save, _state_dict(pm, optimizer, extra, None), **dcp_options)
 
 
 def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
          extra: Optional[Dict[str, Any]] = None, **dcp_options) -> Dict[str, Any]:
     """Load a checkpoint written by ``save`` on any mesh into ``pm`` (and ``optimizer``), in place.
-    ``extra``: the keys (with example values) to read back; returns them. A collective."""
+    ``extra``: the keys (with example values) to read back; returns them. A collective. A checkpoint
+    of another model (a missing key, another shape) raises CheckpointError on every rank."""
     pm = _as_parallel(pm)
     _synchronize(pm)
     copy_back: list = []
     state = _state_dict(pm, optimizer, extra, copy_back)
-    dcp.load(state, checkpoint_id=checkpoint_id, **dcp_options)
+    _run("loading", checkpoint_id, dcp.load, state, **dcp_options)
     with torch.no_grad():
         for staged, target in copy_back:
             target.copy_(staged)
