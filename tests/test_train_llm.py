@@ -5,7 +5,8 @@ follows the single-process run's losses, every checkpoint is marked complete. An
 (``torchrun --max-restarts 2``) in which rank 1 SIGKILLs itself during a training step and, once
 restarted, inside DCP's write of a checkpoint (its shards on disk, the checkpoint unfinished) is
 restarted by torchrun twice, resumes each time from the newest *complete* checkpoint and finishes
-with exactly the reference's losses. A run resumed from a tp=2 checkpoint at pp=2 (DCP reshards) follows them too.
+with exactly the reference's losses. A run resumed from a tp=2 checkpoint at pp=2 (DCP reshards)
+follows them too.
 """
 import json
 import os

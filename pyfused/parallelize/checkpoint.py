@@ -27,8 +27,9 @@ So a checkpoint describes the original model, whatever the mesh that wrote it:
 Loading builds the same description on the new mesh and DCP reads, for every local box, the pieces
 of the saved boxes that overlap it, straight into the parameters and optimizer state (ZeRO pieces
 through their staging tensors). ``save`` / ``load`` also take a pyfused ``DistributedDataParallel``
-or a plain module in place of a ``ParallelModel``. The result is an ordinary DCP checkpoint: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it
-into the original model's state dict, and ``dcp.load`` fills a plain single-process model's.
+or a plain module in place of a ``ParallelModel``. The result is an ordinary DCP checkpoint:
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns it into the original model's
+state dict, and ``dcp.load`` fills a plain single-process model's.
 """
 from __future__ import annotations
 
