@@ -183,7 +183,9 @@ def save_checkpoint(args, step, pm, opt, rank, mesh_sizes):
     from pyfused.parallelize import checkpoint
 
     folder = Path(args.ckpt_dir) / f"step_{step:06d}"
-    if rank == 0 and folder.exists():  # left by a save that did not finish (else we resumed from it)
+    # a folder of this step is from a save that did not finish (else this run resumed from it), or
+    # from a run this one replaces (--resume none, or an older step_<N>)
+    if rank == 0 and folder.exists():
         shutil.rmtree(folder)
     dist.barrier()
     checkpoint.save(folder, pm, opt, extra={"step": step, "mesh": list(mesh_sizes)},
