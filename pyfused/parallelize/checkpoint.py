@@ -53,6 +53,10 @@ class CheckpointError(RuntimeError):
 def _run(what: str, checkpoint_id, fn, *args, **kwargs):
     """``fn`` (dcp.save / dcp.load), its ``CheckpointException`` -- a BaseException, which
     ``except Exception`` does not catch -- raised as a CheckpointError naming the first failure."""
+    if not hasattr(dcp, "CheckpointableTensor"):  # older DCP would take every shard for a whole tensor
+        raise CheckpointError(f"pyfused checkpoint: torch {torch.__version__}'s "
+                              "torch.distributed.checkpoint has no CheckpointableTensor protocol, "
+                              "which describes each rank's shards; it needs a newer torch (2.14 has it)")
     try:
         return fn(*args, checkpoint_id=checkpoint_id, **kwargs)
     except dcp.CheckpointException as e:
