@@ -282,7 +282,8 @@ def test_benchmark_suite_quick(ranks, tmp_path):
     results = ranks.run(2, bench_quick, str(tmp_path), timeout=120)
     rows = results[0]
     assert [(r["schedule"], r["method"]) for r in rows] == [
-        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "pyfused")]
+        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "interleaved_zb", "zbv",
+                            "dualpipev") for impl in ("torch", "pyfused")]
     for r in rows:
         assert r["time_ms"] > 0 and r["compute_only_ms"] > 0
         if r["method"] == "pyfused":
