@@ -227,6 +227,10 @@ def train_and_compare(rank, world, schedule, v, m, rows):
         assert all(not st._state for st in stages), "a microbatch outlived its step"
     for p in params:
         assert_close(p.detach(), ref.get_parameter(names[id(p)]).detach(), name="trained weights")
+    x, y = batch(STEPS, rows)  # a forward-only step runs the same orders without B and W
+    out = sched.eval(*((x,) if 0 in mine else ()), target=y if n_stages - 1 in mine else None)
+    if n_stages - 1 in mine:
+        assert_close(out, ref_chain(x).detach(), name="eval output")
     return True
 
 

@@ -39,7 +39,7 @@ from . import meta
 from .errors import agree_step, raise_if_any
 from .executor import StepRun
 from .p2p import Transport, completes_as_group
-from .plan import (DEFAULT_LOOKAHEAD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, PlanError, check_counts,
+from .plan import (DEFAULT_LOOKAHEAD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_counts,
                    choose_plan, local_stages)
 from .stage import PipelineStage, describe
 
@@ -72,7 +72,7 @@ class _PipelineSchedule:
                                                                       "defer_pp_recv")]
         if self._error is None and (given or unknown):
             self._error = (f"{', '.join(given + unknown)} not supported: pyfused splits every "
-                           f"positional tensor argument (and the target) into equal microbatches "
+                           f"positional tensor argument (and the target) into microbatches "
                            f"along dim 0 and concatenates outputs along dim 0")
         elif self._error is None and torch_only.get("backward_requires_autograd") is False:
             self._error = "backward_requires_autograd=False is not supported"
@@ -212,7 +212,8 @@ class _PipelineSchedule:
         for s in self._stages:
             s.reset_step()
         orders, plans, look = self._plan(backward)
-        self._ensure_metas(sigs, arg_mbs if first else None, args[0].shape[0] % m if first else 0)
+        n_large = args[0].shape[0] % m if first and args else 0  # one row more (tensor_split)
+        self._ensure_metas(sigs, arg_mbs if first else None, n_large)
         run = StepRun(self._stages, self._transport, self._p, backward=backward,
                       loss_fn=self._loss_fn, scale=self._loss_scales(target_mbs, m),
                       arg_mbs=arg_mbs, target_mbs=target_mbs, recorder=self.timeline,
