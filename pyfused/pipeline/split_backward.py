@@ -16,8 +16,8 @@ B (``backward_input``):
     what the inputs need, and a node computes only the outputs whose edges lead there, so no
     weight-gradient product is formed (``addmm`` computes ``grad @ W`` and skips ``x.T @ grad``).
 W (``backward_weight``):
-  * for each frontier node, one ``torch.autograd.grad`` from that node (``GradientEdge``) with the
-    kept gradient, to the parameters reachable from it without passing another input node. The
+  * for each frontier node, one ``torch.autograd.backward`` from that node (``GradientEdge``) with
+    the kept gradient, into the parameters reachable from it without passing another input node. The
     node runs a second time with the other half of its outputs requested (``addmm``: only
     ``x.T @ grad``). Every path from an output to a parameter leaves the input path at exactly one
     frontier node (its last input node), so summing the per-node results counts each path once and
@@ -61,7 +61,7 @@ class WeightWork:
     __slots__ = ("calls",)
 
     def __init__(self, calls):
-        # [(edges, grads, params, clamp)]: one torch.autograd.grad each
+        # [(edges, grads, params, clamp)]: one torch.autograd.backward each
         self.calls = calls
 
 
@@ -186,20 +186,14 @@ def _plan_weight_calls(starts: Dict[Node, Tuple], input_nodes: Set[Node], weight
 
 
 def backward_weight(work: WeightWork) -> None:
-    """W of one microbatch: accumulate each parameter's gradient into ``.grad``."""
+    """W of one microbatch: accumulate each parameter's gradient into ``.grad``. ``backward`` with
+    ``inputs=`` accumulates like the unsplit backward does (a parameter's first gradient becomes its
+    ``.grad`` without a copy, later ones are added in place, with ``.grad``'s usual layout)."""
     for edges, grads, params, clamp in work.calls:
         handles = [n.register_prehook(lambda _, g=g: g) for n, g in clamp.items()]
         try:
-            got = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)
         finally:
             for h in handles:
                 h.remove()
-        given = {id(g) for g in grads}
-        for p, g in zip(params, got):
-            if g is None:
-                continue
-            if p.grad is None:  # a fresh tensor, unless a parameter was an output itself
-                p.grad = g.clone() if id(g) in given else g
-            else:
-                p.grad.add_(g)
     work.calls = []
