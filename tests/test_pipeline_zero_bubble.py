@@ -102,8 +102,10 @@ def test_split_backward_equals_unsplit(kind, needs_input_grad):
 
 # --- orders, plans and promised bubbles --------------------------------------------------------
 
+# p <= 4, m <= 9: microbatch counts below, equal to and above every stage count up to 8 (a wider
+# grid, p <= 5 and m <= 12, was checked once and behaves the same; it costs 3x the time)
 SPLIT_GRID = [(s, p, v, m) for s in SPLIT_BACKWARD for p in range(1, 5)
-              for v in ([SPLIT_V[s]] if s != "interleaved_zb" else [1, 2, 3]) for m in range(1, 11)
+              for v in ([SPLIT_V[s]] if s != "interleaved_zb" else [1, 2, 3]) for m in range(1, 10)
               if check_counts(s, p, v, m) is None]
 
 
