@@ -4,7 +4,8 @@ Nothing here touches torch.distributed, so every rank computes the identical pla
 numbers (ranks ``p``, stages per rank ``v``, microbatches ``m``, forward-only or not), and the tests
 check the plan itself with a simulator instead of hoping a multi-rank run happens to hit a race.
 
-Placement is torch's "loop" style: stage ``s`` lives on group rank ``s % p``.
+Placement is torch's "loop" style (stage ``s`` on group rank ``s % p``), or for ZBV and DualPipeV its
+"v" style (stage ``s`` on rank ``s`` for ``s < p``, on rank ``2p-1-s`` after).
 
 Orders (one list of ``Action`` per rank):
   * GPipe: all forwards, then all backwards.
@@ -14,6 +15,8 @@ Orders (one list of ``Action`` per rank):
     local stage in rounds of ``mpr = m // max(1, m // p)`` (``m`` must be a multiple of the number
     of rounds); ``(v - 1) * mpr + 2 * (p - 1 - rank)`` warm-up forwards, then F/B pairs, then the
     remaining backwards.
+  * Split-backward schedules (ZB-H1, interleaved zero bubble, ZBV, DualPipeV): actions F, B (input
+    gradients) and W (weight gradients, no message), ordered by zero_bubble.py.
 
 Messages: a forward of stage ``s < S-1`` produces ``act(s, mb)`` for stage ``s+1``; a backward of stage
 ``s > 0`` produces ``grad(s, mb)`` (the gradient of stage ``s``'s input) for stage ``s-1``.
