@@ -227,6 +227,10 @@ def train_and_compare(rank, world, schedule, v, m, rows):
             opt.step()
         ref_opt.step()
         assert all(not st._state for st in stages), "a microbatch outlived its step"
+        if step == 1:
+            allocated = sched._transport.pool.allocated
+    # Receive buffers held from B to W return to the pool: the third step allocates none.
+    assert sched._transport.pool.allocated == allocated
     for p in params:
         assert_close(p.detach(), ref.get_parameter(names[id(p)]).detach(), name="trained weights")
     x, y = batch(STEPS, rows)  # a forward-only step runs the same orders without B and W
