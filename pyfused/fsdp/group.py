@@ -149,6 +149,7 @@ class ParamGroup:
         self.grad_numel = off
         self.state = SHARDED
         self._gather: Optional[tuple] = None
+        self.gathers = 0  # all-gathers launched (tests: resharded units are gathered again)
 
     # ---- gather --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -157,6 +158,7 @@ class ParamGroup:
         if self.state != SHARDED:
             return
         self.state = GATHERING
+        self.gathers += 1
         if not self.params:
             self._gather = (None, None)
             return
