@@ -74,6 +74,9 @@ class ShardedParam:
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=full.requires_grad)
         self.compute_dtype = compute_dtype
         self.leaf: Optional[nn.Parameter] = None
+        # gradient hooks registered on the original parameter (tensor parallelism's sums over the
+        # TP group) run on the gathered leaf, where backward produces the gradient
+        self.grad_hooks = list((full._backward_hooks or {}).values())
 
     def as_dtensor(self, local: Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=self.shape,
@@ -92,6 +95,8 @@ class ShardedParam:
             self.leaf = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype,
                                                  device=self.local.device),
                                      requires_grad=self.sharded.requires_grad)
+            for hook in self.grad_hooks:
+                self.leaf.register_hook(hook)
         elif self.leaf.untyped_storage().nbytes() == 0:
             self.leaf.untyped_storage().resize_(self.leaf_nbytes)
         return self.leaf
