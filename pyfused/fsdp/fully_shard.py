@@ -15,8 +15,8 @@ Schedule (hooks; the unit whose forward runs first is the root, which owns the i
     unit computes. Inputs that need a gradient pass through ``_PostBackward``.
   * post-forward: free the gathered parameters (``reshard_after_forward``; never the root's, which
     backward needs at once), and hook the outputs so that backward reaching them runs pre-backward.
-  * pre-backward: gather again (waiting for the prefetch), and prefetch the unit that ran before
-    this one in forward.
+  * pre-backward: gather again (waiting for the prefetch), and prefetch the unit whose forward
+    finished just before this one's (for the root, whose forward finishes last: the last block).
   * post-backward (``_PostBackward.backward``: gradients have reached the unit's inputs, so its
     parameters' gradients are complete): launch the reduce-scatter of its gradients, free the
     gathered parameters and gradients, and finish the previous unit's reduce-scatter.
@@ -77,14 +77,17 @@ class Tree:
     def __init__(self, root: "Unit", units: List["Unit"]):
         self.root = root
         self.units = units
-        self.order: List[Unit] = []          # this forward's units, in the order they ran
+        self.order: List[Unit] = []          # this forward's units, in the order they started
+        self.post_order: List[Unit] = []     # ... in the order they finished (backward reverses it)
         self.last_order: List[Unit] = units  # the previous forward's (prefetch follows it)
         self.pending: List[tuple] = []       # launched reduce-scatters: (unit, handle)
         self.callback_queued = False
         self.peak_gathered = 0                # bytes, for tests and the benchmark
 
     def next_after(self, unit: "Unit", step: int) -> Optional["Unit"]:
-        order = self.last_order if step > 0 else self.order
+        """step 1: the unit to prefetch in forward (the previous forward's order); step -1: in
+        backward (the unit that finished its forward just before ``unit``)."""
+        order = self.last_order if step > 0 else self.post_order
         try:
             i = order.index(unit) + step
         except ValueError:
@@ -101,7 +104,7 @@ class Tree:
             u.forward_calls = u.backward_calls = 0
         if self.order:
             self.last_order = self.order
-        self.order = []
+        self.order, self.post_order = [], []
 
     def end_backward(self) -> None:
         self.callback_queued = False
@@ -192,6 +195,8 @@ class Unit:
             if not self.is_root or not grad:
                 self.group.reshard()
         if grad:
+            if self not in self.tree.post_order:
+                self.tree.post_order.append(self)
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:

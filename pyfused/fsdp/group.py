@@ -224,18 +224,23 @@ class ParamGroup:
             return None
         k = len(self.trainable)
         seg = self.grad_numel + k
-        buf = torch.zeros(self.world, seg, dtype=self.reduce_dtype, device=self.device)
+        buf = torch.empty(self.world, seg, dtype=self.reduce_dtype, device=self.device)
+        buf[:, self.grad_numel:].zero_()
         scale = 1.0 / self.world
         # scale in the wider of the two dtypes: before a narrowing cast, else once over the buffer
         narrowing = buf.element_size() < torch.empty(0, dtype=self.compute_dtype).element_size()
         for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
             p = self.params[i]
             g = p.leaf.grad if p.leaf is not None else None
+            region = buf[:, off:off + p.padded].view(self.world, p.chunk, *p.rest)
             if g is None:
+                region.zero_()
                 continue
             if narrowing:
                 g = g * scale
-            p.scatter_rows(buf[:, off:off + p.padded].view(self.world, p.chunk, *p.rest), g)
+            if p.rows != p.chunk * self.world:
+                region.zero_()  # the padding rows
+            p.scatter_rows(region, g)
             buf[:, self.grad_numel + j] = 1.0
             p.leaf.grad = None
         if not narrowing:
