@@ -18,7 +18,7 @@ def _shard(model, **kwargs):
     return model
 
 
-def _state_dict_round_trip(rank, world):
+def _state_dict_round_trip(rank, world, folder):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
 
@@ -36,12 +36,22 @@ def _state_dict_round_trip(rank, world):
     set_model_state_dict(model, dict(other), options=opts)  # it replaces the dict's values
     for k, v in model.state_dict().items():
         assert torch.equal(v.full_tensor(), other[k]), k
+    # DCP: save the sharded state, load it into a model sharded from other weights
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    fresh = _shard(H.build("llama", seed=2))
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    fresh.load_state_dict(state)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.full_tensor(), other[k]), k
     return True
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_full_state_dict_bit_exact(ranks, world):
-    assert all(ranks.run(world, _state_dict_round_trip, timeout=TIMEOUT))
+def test_full_state_dict_bit_exact(ranks, world, tmp_path):
+    assert all(ranks.run(world, _state_dict_round_trip, str(tmp_path / "ckpt"), timeout=TIMEOUT))
 
 
 def _mismatched(rank, world):
