@@ -97,14 +97,21 @@ def _memory(rank, world, reshard_after_forward):
     loss.backward()
     opt.step()
 
-    def local_bytes(tensors):
-        return sum(t._local_tensor.untyped_storage().nbytes() for t in tensors if t is not None)
+    def local_bytes(tensors):  # each storage once (a unit's gradients share one buffer)
+        storages = {}
+        for t in tensors:
+            if t is not None:
+                st = t._local_tensor.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
 
     shards = local_bytes(model.parameters())
     grads = local_bytes(p.grad for p in model.parameters())
     state = local_bytes(v for s in opt.state.values() for v in s.values() if v.dim() > 0)
-    assert shards <= (replicated + world * pad) / world, (shards, replicated)
-    assert grads <= shards and state <= 2 * shards, (grads, state, shards)
+    bound = (replicated + world * pad) / world  # 1/W of replicated + one padding row per parameter
+    flags = 4 * sum(1 for _ in full.parameters())  # reduce-scatter's "has a gradient" flags
+    assert shards <= bound, (shards, bound)
+    assert grads <= bound + flags and state <= 2 * shards, (grads, state, shards, bound)
     peak = model.gathered_bytes_peak()
     gathers = [u.group.gathers for u in units[1:]]
     if reshard_after_forward:

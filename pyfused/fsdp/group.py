@@ -265,7 +265,7 @@ class ParamGroup:
                 continue
             p = self.params[i]
             g = out[off:off + p.local_rows * p.row_numel].view(p.local_rows, *p.rest)
-            g = g.to(p.local.dtype, copy=True)
+            g = g.to(p.local.dtype)  # a view of ``out`` (1/world of the unit) when dtypes match
             if p.sharded.grad is None:
                 p.sharded.grad = p.as_dtensor(g)
             else:
