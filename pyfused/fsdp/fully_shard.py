@@ -56,16 +56,16 @@ class ShardOwner:
     def __init__(self, pg, world: int, device: torch.device):
         self.pg, self.world, self.device = pg, world, device
         self.index: Dict[int, int] = {}
-        self._params: List[nn.Parameter] = []
+        self._params: List[weakref.ref] = []  # weak: the owner outlives the models it served
 
     def add(self, param: nn.Parameter) -> None:
         self.index[id(param)] = len(self._params)
-        self._params.append(param)
+        self._params.append(weakref.ref(param))
         param._pyfused_shard_owner = weakref.ref(self)
 
     def shard_grads(self, indices) -> List[torch.Tensor]:
-        grads = (self._params[i].grad for i in sorted(indices))
-        return [g._local_tensor for g in grads if g is not None]
+        params = (self._params[i]() for i in sorted(indices))
+        return [p.grad._local_tensor for p in params if p is not None and p.grad is not None]
 
 
 _owners: Dict[tuple, ShardOwner] = {}
