@@ -155,3 +155,39 @@ def _mixed_precision(rank, world):
 
 def test_mixed_precision(ranks):
     assert all(ranks.run(2, _mixed_precision, timeout=TIMEOUT))
+
+
+class _Branches(nn.Module):
+    """``b`` is used on rank 0 only, ``c`` on no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 7)
+        self.c = nn.Linear(7, 3)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return (self.b(h) if use_b else h).sum()
+
+
+def _partly_used(rank, world):
+    import pyfused
+
+    torch.manual_seed(0)
+    model = pyfused.fully_shard(_Branches())
+    torch.manual_seed(0)
+    ref = _Branches()
+    x = torch.randn(world, 5)
+    model(x[rank:rank + 1], rank == 0).backward()
+    for r in range(world):  # the average over ranks of each rank's gradient (zeros where unused)
+        (ref(x[r:r + 1], r == 0) / world).backward()
+    assert model.c.weight.grad is None and model.c.bias.grad is None  # unused on every rank
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        got = dict(model.named_parameters())[name].grad.full_tensor()
+        assert_close(got, dict(ref.named_parameters())[name].grad, name=name)
+    return True
+
+
+def test_parameter_used_on_some_ranks(ranks):
+    assert all(ranks.run(3, _partly_used, timeout=TIMEOUT))
