@@ -183,17 +183,24 @@ def run(ctx) -> List[Dict]:
     timers: Dict[str, Callable[[], None]] = {"compute alone": step_fn(local, make_opt(local), x, y)}
     memory: Dict[str, Dict] = {}
     live = []
+    losses = {}
     for name in ("torch-fsdp2", "pyfused"):
         model = sharded(name, base, mesh)
         opt = make_opt(model)
         step = step_fn(model, opt, x, y)
         step()
+        with torch.no_grad():  # after one step from the same weights: the same model
+            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
         memory[name] = {"state_MB": local_bytes(model, opt) / MB,
                         "peak_MB": peak_bytes(model, opt, step) / MB}
         if name == "pyfused":
             timers["comm alone"] = comm_alone(model, ctx)
         timers[name] = step
         live.append((model, opt))
+    want, got = losses["torch-fsdp2"], losses["pyfused"]
+    if abs(got - want) > 1e-4 * abs(want):
+        raise RuntimeError(f"bench_fsdp: after one step pyfused's loss is {got}, torch FSDP2's "
+                           f"{want}; not timing a wrong result")
     t = time_interleaved(timers, ctx)
     rows = [op_row(ctx, shape=shape.label, dtype=torch.float32, method="compute alone",
                    transport="none", ms=t["compute alone"],
