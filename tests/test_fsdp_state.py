@@ -72,6 +72,23 @@ def _mismatched(rank, world):
     return message
 
 
+def _bad_option(rank, world):
+    import pyfused
+    from pyfused.comm import InputError
+
+    try:  # only rank 1 passes a bad value: every rank must still raise, none may hang
+        pyfused.fully_shard(nn.Linear(4, 4), reshard_after_forward=2 if rank == 1 else True)
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def test_bad_option_same_error_everywhere(ranks):
+    messages = ranks.run(3, _bad_option, timeout=TIMEOUT)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+    assert "on rank 1" in messages[0] and "reshard_after_forward" in messages[0], messages[0]
+
+
 def test_mismatched_shapes_same_error_everywhere(ranks):
     messages = ranks.run(3, _mismatched, timeout=TIMEOUT)
     assert messages[0] is not None and len(set(messages)) == 1, messages

@@ -29,6 +29,8 @@ ERRORS = {
        "parallelize shards TP with plain tensors)",
     5: "its parameters have several dtypes (give mp_policy=MixedPrecisionPolicy(param_dtype=...) "
        "or shard them in separate units)",
+    6: "reshard_after_forward must be True, False or None, and mp_policy's param_dtype and "
+       "reduce_dtype None or a float32 / bfloat16 / float16 / float64 dtype",
 }
 
 
@@ -40,8 +42,11 @@ def _describe(name: str, t: torch.Tensor) -> str:
     return f"{name}|{tuple(t.shape)}|{t.dtype}|{t.device.type}|{int(t.requires_grad)}"
 
 
-def local_error(params: Sequence[torch.Tensor], mixed_dtypes_ok: bool) -> int:
+def local_error(params: Sequence[torch.Tensor], mixed_dtypes_ok: bool, options_ok: bool) -> int:
     from torch.distributed.tensor import DTensor
+
+    if not options_ok:
+        return 6
 
     if len({p.device for p in params}) > 1:
         return 1
@@ -57,11 +62,11 @@ def local_error(params: Sequence[torch.Tensor], mixed_dtypes_ok: bool) -> int:
 
 
 def agree_unit(pg, entries: List[Tuple[str, torch.Tensor]], options: Tuple[int, ...],
-               mixed_dtypes_ok: bool = False) -> None:
+               mixed_dtypes_ok: bool = False, options_ok: bool = True) -> None:
     """Raise the same ``InputError`` on every rank of ``pg`` unless all ranks shard identical
     parameters (``entries``: (name, parameter)) with identical ``options`` (small ints)."""
     params = [t for _, t in entries]
-    err = local_error(params, mixed_dtypes_ok)
+    err = local_error(params, mixed_dtypes_ok, options_ok)
     descs = [_describe(n, t) for n, t in entries]
     digest = _digest("\n".join(descs))
     sig = Signature(comm.op_code(OP), (err, len(entries), digest, *options),

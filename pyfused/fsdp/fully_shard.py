@@ -142,7 +142,8 @@ class Unit:
                  mp_policy):
         self.module = module
         self.group = group
-        self.reshard_after_forward = reshard_after_forward
+        # None: FSDP2's default, True except for the root (set in _lazy_init)
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
         self.sync = True
         self.mp = mp_policy
@@ -160,8 +161,7 @@ class Unit:
         tree = Tree(self, units)
         for u in units:
             u.tree = tree
-        if self.reshard_after_forward is None or self.reshard_after_forward:
-            self.reshard_after_forward = False  # backward needs the root's parameters at once
+        self.reshard_after_forward = False  # backward needs the root's parameters at once
 
     def _pre_forward(self, module, args, kwargs):
         if self.tree is None:
@@ -347,10 +347,12 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     world, rank = comm.world_size(pg), comm.rank(pg)
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
-    options = (-1 if reshard_after_forward is None else int(bool(reshard_after_forward)),
+    valid = reshard_after_forward in (None, True, False) and -1 not in (
+        _dtype_code(param_dtype), _dtype_code(reduce_dtype))
+    options = (2 if reshard_after_forward is None else int(bool(reshard_after_forward)),
                _dtype_code(param_dtype), _dtype_code(reduce_dtype))
     checks.agree_unit(pg, [(name, p) for p, _, name in entries], options,
-                      mixed_dtypes_ok=param_dtype is not None)
+                      mixed_dtypes_ok=param_dtype is not None, options_ok=valid)
 
     key = (pg, device)
     owner = _owners.setdefault(key, ShardOwner(pg, world, device))
