@@ -191,9 +191,10 @@ class Unit:
 
     def _post_forward(self, module, args, output):
         grad = torch.is_grad_enabled()
+        # without grad (eval) every unit, the root too, is done with its parameters; in training
+        # the root keeps them for backward and no_sync micro-steps keep everything gathered
         if not grad or (self.sync and self.reshard_after_forward and not self.is_root):
-            if not self.is_root or not grad:
-                self.group.reshard()
+            self.group.reshard()
         if grad:
             if self not in self.tree.post_order:
                 self.tree.post_order.append(self)
