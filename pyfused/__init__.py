@@ -13,6 +13,7 @@ _LAZY = {
     "tune": ("pyfused.tune", None),
     "clip_grad_norm_": ("pyfused.clip_grad", "clip_grad_norm_"),
     "parallelize": ("pyfused.parallelize", "parallelize"),
+    "fully_shard": ("pyfused.fsdp", "fully_shard"),
 }
 
 
