@@ -129,7 +129,7 @@ _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=False)
+    pg, choice = _common.prepare_matmul(OP, a, b, group, method)
     w = comm.world_size(pg)
     keep = torch.is_grad_enabled() and b.requires_grad
     out, _ = torch.ops.pyfused.all_gather_matmul(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),

@@ -95,7 +95,7 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=False)
+    pg, choice = _common.prepare_matmul(OP, a, b, group, method, chunks)
     out = torch.ops.pyfused.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
                                               choice.method, chunks or choice.chunks)
     return out.view(*a.shape[:-1], b.shape[1])

@@ -112,7 +112,7 @@ _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_cont
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=True)
+    pg, choice = _common.prepare_matmul(OP, a, b, group, method)
     w = comm.world_size(pg)
     out = torch.ops.pyfused.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
                                                   choice.method)
