@@ -158,6 +158,11 @@ def _meta(t) -> comm.TensorMeta:
     return comm.TensorMeta.of(t) if isinstance(t, torch.Tensor) else comm.TensorMeta(None, None, None)
 
 
+def int_code(value) -> int:
+    """``value`` as an int for a signature; -1 for anything that is not an int (a bool is 0/1)."""
+    return int(value) if isinstance(value, int) else -1
+
+
 def _chunk_code(chunks) -> int:
     return chunks if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 0 else -1
 
@@ -201,14 +206,15 @@ def call_key(name: str, method, chunks, options: tuple, tensors: Sequence[Any]):
     return key
 
 
-def common_refusal(sigs: List[CallSignature], names: Sequence[str]) -> Optional[str]:
+def common_refusal(sigs: List[CallSignature], names: Sequence[str],
+                   method_arg: str = "method") -> Optional[str]:
     """What makes any rank refuse a call, whatever the op: a pure function of ``sigs``."""
     for r, s in enumerate(sigs):
         where = f" (rank {r})" if len(sigs) > 1 else ""
         if not s.in_group:
             return f"this rank is not a member of the group it passed{where}"
         if s.method == NOT_A_METHOD:
-            return f"method must be one of {METHODS}{where}"
+            return f"{method_arg} must be one of {METHODS}{where}"
         if s.chunks < 0:
             return f"chunks must be an int >= 0 (0: tuned or default){where}"
         for name, t in zip(names, s.tensors):
@@ -217,9 +223,10 @@ def common_refusal(sigs: List[CallSignature], names: Sequence[str]) -> Optional[
     return None
 
 
-def agreement(sigs: List[CallSignature], names: Sequence[str]) -> Optional[str]:
+def agreement(sigs: List[CallSignature], names: Sequence[str], method_arg: str = "method"
+              ) -> Optional[str]:
     """What must be the same on every rank, whatever the op."""
-    return (comm.differs(sigs, "method", lambda s: s.method, lambda s: METHODS[s.method])
+    return (comm.differs(sigs, method_arg, lambda s: s.method, lambda s: METHODS[s.method])
             or comm.differs(sigs, "chunks", lambda s: s.chunks)
             or comm.differs(sigs, "which inputs need a gradient (whether backward runs collectives)",
                             lambda s: s.needs_grad, lambda s: s.grad_names(names))
@@ -231,13 +238,14 @@ Check = Callable[[List[CallSignature], int, Tuple[str, ...]], Optional[str]]
 
 def prepare(name: str, names: Sequence[str], tensors: Sequence[Any], group, method: Any, *,
             check: Check, chunks: Any = 0, options: tuple = (),
-            auto: Optional[Callable[[Any, Sequence[torch.Tensor], bool], Choice]] = None
-            ) -> Tuple[Optional[dist.ProcessGroup], Choice]:
+            auto: Optional[Callable[[Any, Sequence[torch.Tensor], bool], Choice]] = None,
+            method_arg: str = "method") -> Tuple[Optional[dist.ProcessGroup], Choice]:
     """Validate one call across ranks and choose its method; the same outcome on every rank.
 
     ``names``/``tensors``: the tensor arguments (a non-tensor is refused on every rank). ``check``:
     the op's or layer's contract over all ranks' signatures (pure). ``auto``: this rank's preference
-    for ``method="auto"`` (None: the call has no method to choose). In validation mode ``"first"``
+    for ``method="auto"`` (None: the call has no method to choose). ``options``: ints the ranks must
+    agree on (``int_code`` turns a bad value into -1). In validation mode ``"first"``
     or ``"off"`` a call seen before returns its remembered outcome at once (module docstring)."""
     pg, xpg, in_group = _resolve(group)
     key = call_key(name, method, chunks, options, tensors) if in_group else None
@@ -246,7 +254,7 @@ def prepare(name: str, names: Sequence[str], tensors: Sequence[Any], group, meth
         if hit is not None:
             return pg, hit
     choice = _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, chunks,
-                               options, auto)
+                               options, auto, method_arg)
     if key is not None:
         validate.remember(pg, key, choice)
     return pg, choice
@@ -270,7 +278,7 @@ def _local_signature(name, names, tensors, pg, in_group, method, chunks, options
 
 
 def _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, chunks, options,
-                      auto) -> Choice:
+                      auto, method_arg) -> Choice:
     sig, pref, fused_why = _local_signature(name, names, tensors, pg, in_group, method, chunks,
                                             options, auto)
     world = comm.world_size(xpg)
@@ -278,8 +286,8 @@ def _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, ch
 
     def check_all(wire: List[comm.Signature]) -> Optional[str]:
         sigs = [CallSignature.from_wire(w) for w in wire]
-        return (common_refusal(sigs, names) or check(sigs, world, allowed)
-                or agreement(sigs, names))
+        return (common_refusal(sigs, names, method_arg) or check(sigs, world, allowed)
+                or agreement(sigs, names, method_arg))
 
     sigs = [CallSignature.from_wire(w) for w in comm.agree(xpg, sig.to_wire(), check_all)]
     if auto is None:
