@@ -108,8 +108,7 @@ def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
             continue
         agree_close(out, ref, f"{op}[{method}] at {shape.label}", ctx)
         if method == "auto":
-            choice = _common.prepare(op, a, b, ctx.group, "auto",
-                                     scatter_dim0=op == "matmul_reduce_scatter")[1]
+            choice = _common.prepare_matmul(op, a, b, ctx.group, "auto")[1]
             transports[method] = method_transport(choice.method, ctx)
             chunks = f", {choice.chunks} chunks" if choice.chunks else ""
             notes[method] = f"chose {choice.method}{chunks}: {choice.reason}"

@@ -1,4 +1,4 @@
-"""Per-shape choice of method and chunking (see ARCHITECTURE.md).
+"""Per-shape choice of method and chunking (see docs/ARCHITECTURE.md).
 
 The cache is a JSON file (``PYFUSED_TUNE_CACHE``, default ``~/.cache/pyfused/tune.json``) mapping
 ``device|world|op|a-shape|b-shape|dtype`` to the method (and chunk count) measured fastest.
@@ -92,9 +92,17 @@ def lookup(op: str, world: int, a_shape, b_shape, dtype, device) -> Optional[Ent
 
 
 def reload() -> None:
-    """Forget the in-memory copy (after the file changed)."""
+    """Forget the in-memory copy (after the file changed), and the ops' remembered ``auto`` choices
+    (pyfused.comm.forget_seen). Call it on every rank alike, as ``store``."""
     global _cache
     _cache = None
+    _forget_choices()
+
+
+def _forget_choices() -> None:
+    from ..comm import forget_seen
+
+    forget_seen()
 
 
 @contextlib.contextmanager
@@ -112,7 +120,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 def store(entries: Dict[str, dict], path: Optional[Path] = None) -> Path:
     """Merge ``entries`` (key -> {"method", "chunks", ...}) into the cache file atomically; the
-    in-memory copy is refreshed, so ``lookup`` sees them at once."""
+    in-memory copy is refreshed, so ``lookup`` sees them at once, and the ops' remembered ``auto``
+    choices are forgotten (so call it on every rank alike, as ``tune`` does)."""
     global _cache
     path = Path(path) if path is not None else cache_path()
     for k, v in entries.items():
@@ -134,6 +143,7 @@ def store(entries: Dict[str, dict], path: Optional[Path] = None) -> Path:
             raise
     if path == cache_path():
         _cache = data
+        _forget_choices()
     return path
 
 
