@@ -198,10 +198,10 @@ def call_key(name: str, method, chunks, options: tuple, tensors: Sequence[Any]):
             metas.append((t.shape, t.dtype, t.device, t.requires_grad))
         else:
             return None
+    key = (name, method, chunks, options, torch.is_grad_enabled(), *metas)
     try:
-        key = (name, method, chunks, options, torch.is_grad_enabled(), *metas)
         hash(key)
-    except TypeError:
+    except TypeError:  # e.g. an unhashable method= argument
         return None
     return key
 
@@ -396,6 +396,15 @@ def prepare_matmul(op: str, a, b, group, method, chunks=0) -> Tuple[Optional[dis
                    check=lambda sigs, world, allowed: check_matmul_inputs(sigs, world, allowed,
                                                                           scatter),
                    auto=lambda pg, ts, fused_ok: auto_preference(op, pg, ts, fused_ok))
+
+
+def eager_direct(*tensors) -> bool:
+    """Whether a call may run its implementation directly instead of through its registered op:
+    eager (not being traced by torch.compile) and no autograd graph to record. The registered op
+    costs tens of microseconds of dispatch per call, more than a latency-bound op's own work."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def backward_method(forward_method: str, backward_op: str) -> str:

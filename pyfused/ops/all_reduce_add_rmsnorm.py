@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
@@ -61,20 +62,26 @@ def add_rmsnorm_rows(reduced: Tensor, residual: Tensor, weight: Tensor, eps: flo
     """The epilogue on rows of an all-reduced ``reduced``: residual_out = reduced + residual and
     normed_out = RMSNorm(residual_out) * weight, in fp32 (fp64 for fp64 inputs), the norm over the
     rounded residual_out."""
+    normed, new_residual = add_rmsnorm(reduced, residual, weight, eps)
+    residual_out.copy_(new_residual)
+    normed_out.copy_(normed)
+
+
+def add_rmsnorm(reduced: Tensor, residual: Tensor, weight: Tensor, eps: float
+                ) -> Tuple[Tensor, Tensor]:
+    """(normed, new_residual) of all-reduced ``reduced``: new_residual = reduced + residual in
+    reduced's dtype, normed = RMSNorm(new_residual) * weight computed in fp32 (fp64 for fp64)."""
     dt = torch.promote_types(reduced.dtype, torch.float32)
-    residual_out.copy_(reduced.to(dt) + residual.to(dt))
-    h = residual_out.to(dt)
-    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    normed_out.copy_(h * rstd * weight.to(dt))
+    new_residual = (reduced.to(dt) + residual.to(dt)).to(reduced.dtype)
+    normed = F.rms_norm(new_residual.to(dt), (new_residual.shape[-1],), weight.to(dt), eps)
+    return normed.to(reduced.dtype), new_residual
 
 
 def _unfused(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg) -> Tuple[Tensor, Tensor]:
     reduced = x.clone(memory_format=torch.contiguous_format)
     if comm.world_size(pg) > 1:
         dist.all_reduce(reduced, group=pg)
-    normed, new_residual = torch.empty_like(reduced), torch.empty_like(reduced)
-    add_rmsnorm_rows(reduced, residual, weight, eps, normed, new_residual)
-    return normed, new_residual
+    return add_rmsnorm(reduced, residual, weight, eps)
 
 
 def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg,
@@ -92,11 +99,9 @@ def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, 
     return normed, new_residual
 
 
-@torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
-def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                               group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
-    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
-    pg = comm.group_from_name(group_name)
+def _run(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg, method: str,
+         chunks: int) -> Tuple[Tensor, Tensor]:
+    """2-D: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) by ``method``."""
     if method == "fused":
         return _fused.run(OP, x, residual, weight, eps, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
@@ -104,6 +109,13 @@ def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps:
         n = max(1, min(n, x.shape[0]))
         return chunked_all_reduce_add_rmsnorm(x, residual, weight, eps, pg, n)
     return _unfused(x, residual, weight, eps, pg)
+
+
+@torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
+def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                               group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
+    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
+    return _run(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
 
 
 @_all_reduce_add_rmsnorm_op.register_fake
@@ -206,7 +218,10 @@ def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
     pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
     h = x.shape[-1]
-    normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
-        x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps), comm.group_name(pg),
-        choice.method, chunks or choice.chunks)
+    args = (x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps))
+    if _common.eager_direct(x, residual, weight):
+        normed, new_residual = _run(*args, pg, choice.method, chunks or choice.chunks)
+    else:
+        normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
+            *args, comm.group_name(pg), choice.method, chunks or choice.chunks)
     return normed.view(x.shape), new_residual.view(x.shape)
