@@ -11,14 +11,11 @@ from __future__ import annotations
 import torch
 
 import pyfused.ops as ops
+from pyfused.ops.registry import GEMM_OPS, OPS as OPS_REGISTRY
 from pyfused.comm import InputError
 from tests.utils import assert_close, rank_tensors, test_device
 
-OPS = {
-    "all_gather_matmul": ops.all_gather_matmul,
-    "matmul_reduce_scatter": ops.matmul_reduce_scatter,
-    "matmul_all_reduce": ops.matmul_all_reduce,
-}
+OPS = {name: OPS_REGISTRY[name].function for name in GEMM_OPS}
 
 
 def reference(op: str, a64, b64, rank: int, world: int):

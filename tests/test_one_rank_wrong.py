@@ -160,20 +160,25 @@ def test_first_mode_exchanges_once_per_signature(ranks):
         assert (first, new, always) == (1, 1, 2)
 
 
-def test_modes_from_argument_and_environment(monkeypatch):
-    import importlib
+def test_modes_from_argument_and_environment():
+    import os
+    import subprocess
+    import sys
 
     from pyfused.comm import validate
 
     for value, mode in (("0", "off"), ("1", "first"), ("always", "always"), ("OFF", "off"),
-                        ("", "first")):
-        monkeypatch.setenv("PYFUSED_VALIDATE", value)
-        assert importlib.reload(validate).validation_mode() == mode
-    monkeypatch.delenv("PYFUSED_VALIDATE")
-    importlib.reload(validate)
+                        ("first", "first"), (False, "off"), (True, "first")):
+        assert validate._parse_mode(value) == mode
     with pytest.raises(ValueError, match="validation mode must be one of"):
         validate.set_validation("sometimes")
+    env = dict(os.environ, PYFUSED_VALIDATE="always")
+    out = subprocess.run([sys.executable, "-c", "import pyfused.comm as c; print(c.validation_mode())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "always"
     validate.set_validation(False)
-    assert validate.validation_mode() == "off" and not validate.validation_enabled()
-    validate.set_validation(True)
+    try:
+        assert validate.validation_mode() == "off" and not validate.validation_enabled()
+    finally:
+        validate.set_validation("first")
     assert validate.validation_mode() == "first"

@@ -4,10 +4,12 @@ import os
 import pytest
 import torch
 
+from pyfused.ops.registry import GEMM_OPS
+
 from tests.op_checks import error_of
 
 F32, F16 = torch.float32, torch.float16
-OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+OPS = list(GEMM_OPS)
 TIMEOUT = 30  # a hang would show as a timeout; the checks themselves take milliseconds
 
 CASES = {

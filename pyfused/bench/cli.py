@@ -86,7 +86,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--shapes", help="model names (llama3-8b, llama3-70b[.layer][@tpN]) or MxKxN literals; "
-                                    "see benchmarks/shapes.py")
+                                    "see pyfused/bench/shapes.py")
     p.add_argument("--iters", type=int, help="timed iterations per point")
     p.add_argument("--warmup", type=int, help="untimed iterations per point")
     p.add_argument("--no-validate", action="store_true",
@@ -325,7 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("\n".join(available_suites()))
             return 0
         modules = select_suites(args.suites)
-        from pyfused.benchmarks import shapes
+        from pyfused.bench import shapes
 
         shapes.validate(args.shapes)
         backend = launch.resolve_backend(args.backend)

@@ -97,13 +97,17 @@ class _ParallelLinear(nn.Module):
                                      check=_check_layer_args(kind), method_arg="overlap")
         self.in_features, self.out_features = in_features, out_features
         self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
+        self.group_name = comm.group_name(self.pg)
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.has_bias = bias
 
     def _prepare_forward(self, x, width: int, replicated: bool) -> None:
         """Every rank agrees on this forward's input (and on which inputs need a gradient, which
-        decides whether backward runs collectives) before any collective of the layer."""
+        decides whether backward runs collectives) before any collective of the layer. Traced by
+        torch.compile, the check is left to the registered ops, which validate when they run."""
+        if torch.compiler.is_compiling():
+            return
         kind = type(self).__name__
         names, tensors = _layer_tensors(x, self.weight, self.bias)
         _common.prepare(f"{kind}.forward", names, tensors, self.pg, self.overlap,
@@ -191,7 +195,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight.t(), self.pg, method=self.overlap)
             return y + self.bias if self.bias is not None else y
-        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.pg, self.overlap)
+        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.group_name,
+                                              self.overlap)
         return GatherLastDim.apply(y, self.pg) if self.gather_output else y
 
     def extra_repr(self) -> str:

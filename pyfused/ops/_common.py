@@ -322,7 +322,7 @@ def _choose(name, pg, device, method, sigs: List[CallSignature], pref: Choice, f
 
 def auto_preference(op: str, pg, tensors: Sequence[torch.Tensor], fused_ok: bool) -> Choice:
     """This rank's pick for ``method="auto"``: a tuned entry if there is one, else a size rule."""
-    from .. import tune
+    from . import tuned as tune
 
     spec = OPS[op]
     w = comm.world_size(pg)

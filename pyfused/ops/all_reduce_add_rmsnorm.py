@@ -67,10 +67,16 @@ def add_rmsnorm_rows(reduced: Tensor, residual: Tensor, weight: Tensor, eps: flo
     normed_out.copy_(normed)
 
 
+_WIDE = (torch.float32, torch.float64)
+
+
 def add_rmsnorm(reduced: Tensor, residual: Tensor, weight: Tensor, eps: float
                 ) -> Tuple[Tensor, Tensor]:
     """(normed, new_residual) of all-reduced ``reduced``: new_residual = reduced + residual in
     reduced's dtype, normed = RMSNorm(new_residual) * weight computed in fp32 (fp64 for fp64)."""
+    if reduced.dtype in _WIDE and residual.dtype == weight.dtype == reduced.dtype:
+        new_residual = reduced + residual  # already the math dtype: no conversions to pay for
+        return F.rms_norm(new_residual, (new_residual.shape[-1],), weight, eps), new_residual
     dt = torch.promote_types(reduced.dtype, torch.float32)
     new_residual = (reduced.to(dt) + residual.to(dt)).to(reduced.dtype)
     normed = F.rms_norm(new_residual.to(dt), (new_residual.shape[-1],), weight.to(dt), eps)
@@ -114,8 +120,10 @@ def _run(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg, method: st
 @torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
 def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                                group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
-    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
-    return _run(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
+    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual). ``method``
+    as requested (validated here)."""
+    pg, choice = prepare(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
+    return _run(x, residual, weight, eps, pg, choice.method, chunks or choice.chunks)
 
 
 @_all_reduce_add_rmsnorm_op.register_fake
@@ -216,12 +224,18 @@ def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
+        pg = comm.resolve_group(group)
+    else:
+        pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+        method, chunks = choice.method, chunks or choice.chunks
+    flat = x.dim() == 2
     h = x.shape[-1]
-    args = (x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps))
+    args = ((x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))) + (weight,
+                                                                                       float(eps))
     if _common.eager_direct(x, residual, weight):
-        normed, new_residual = _run(*args, pg, choice.method, chunks or choice.chunks)
+        normed, new_residual = _run(*args, pg, method, chunks)
     else:
         normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
-            *args, comm.group_name(pg), choice.method, chunks or choice.chunks)
-    return normed.view(x.shape), new_residual.view(x.shape)
+            *args, comm.group_name(pg), method, chunks)
+    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
