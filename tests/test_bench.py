@@ -269,7 +269,7 @@ def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     assert "MULTI_RANK" in rows["nomulti"]["status"]
     assert rows["ok"]["status"] == "ok" and rows["ok"]["time_ms"] == 2.0  # the sum over 2 ranks
     assert rows["ok"]["world_seen"] == 2 and rows["ok"]["transport"] == "gloo"
-    assert rows["ok"]["validate"] is False  # --no-validate is recorded
+    assert rows["ok"]["validate"] == "off"  # --no-validate is recorded
     assert rows["single"]["status"] == "ok" and rows["single"]["transport"] == "none"
     assert rows["single"]["world"] == 1
     assert "boom on rank 1 only" in r.stderr and "2 suite(s) ok, 3 FAILED" in r.stdout

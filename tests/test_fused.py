@@ -149,7 +149,7 @@ def _stale_epoch(rank, world):
 
 
 def test_fused_refuses_graph_capture_and_outputs_in_the_buffer(monkeypatch):
-    """Review findings on the never-run CUDA path, guarded here on CPU (world 1, host-shm):
+    """Hazards of the CUDA path, guarded here on CPU (world 1, host-shm):
     (1) a CUDA graph would replay one host-side epoch forever, so the fused schedules refuse to be
     captured (and the ops carry the cudagraph_unsafe tag, so torch.compile's graphs leave them out);
     (2) an output inside this rank's symmetric buffer races with the peers reading it."""

@@ -389,13 +389,25 @@ def check_matmul_inputs(sigs: List[CallSignature], world: int, allowed_devices: 
             or comm.differs(sigs, "b", lambda s: s.tensors[1], lambda s: s.tensors[1].describe()))
 
 
+def _matmul_hooks(op: str) -> Tuple[Check, Callable]:
+    """The check and ``auto`` preference of a GEMM op, made once per op (they are per-call
+    arguments of ``prepare``, and a call that hits the seen set should build nothing)."""
+    hooks = _MATMUL_HOOKS.get(op)
+    if hooks is None:
+        scatter = OPS[op].scatters_dim0
+        hooks = _MATMUL_HOOKS[op] = (
+            lambda sigs, world, allowed: check_matmul_inputs(sigs, world, allowed, scatter),
+            lambda pg, ts, fused_ok: auto_preference(op, pg, ts, fused_ok))
+    return hooks
+
+
+_MATMUL_HOOKS: dict = {}
+
+
 def prepare_matmul(op: str, a, b, group, method, chunks=0) -> Tuple[Optional[dist.ProcessGroup], Choice]:
     """``prepare`` for the three GEMM + collective ops (a [d0, ..., K], b [K, N])."""
-    scatter = OPS[op].scatters_dim0
-    return prepare(op, ("a", "b"), (a, b), group, method, chunks=chunks,
-                   check=lambda sigs, world, allowed: check_matmul_inputs(sigs, world, allowed,
-                                                                          scatter),
-                   auto=lambda pg, ts, fused_ok: auto_preference(op, pg, ts, fused_ok))
+    check, auto = _matmul_hooks(op)
+    return prepare(op, ("a", "b"), (a, b), group, method, chunks=chunks, check=check, auto=auto)
 
 
 def eager_direct(*tensors) -> bool:

@@ -216,8 +216,11 @@ def check_inputs(sigs: List[_common.CallSignature], world: int,
 def prepare(x, residual, weight, eps, group, method, chunks):
     """Validate on every rank and choose the method; identical outcome everywhere."""
     return _common.prepare(OP, INPUTS, (x, residual, weight), group, method, chunks=chunks,
-                           options=_eps_code(eps), check=check_inputs,
-                           auto=lambda pg, ts, fused_ok: _common.auto_preference(OP, pg, ts, fused_ok))
+                           options=_eps_code(eps), check=check_inputs, auto=_auto_preference)
+
+
+def _auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
+    return _common.auto_preference(OP, pg, tensors, fused_ok)
 
 
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
