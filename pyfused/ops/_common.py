@@ -212,7 +212,8 @@ def common_refusal(sigs: List[CallSignature], names: Sequence[str],
     for r, s in enumerate(sigs):
         where = f" (rank {r})" if len(sigs) > 1 else ""
         if not s.in_group:
-            return f"this rank is not a member of the group it passed{where}"
+            return (f"the group passed is not a process group this rank belongs to (a group it is "
+                    f"not a member of, or not a 1-D group){where}")
         if s.method == NOT_A_METHOD:
             return f"{method_arg} must be one of {METHODS}{where}"
         if s.chunks < 0:
