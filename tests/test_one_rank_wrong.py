@@ -182,3 +182,19 @@ def test_modes_from_argument_and_environment():
     finally:
         validate.set_validation("first")
     assert validate.validation_mode() == "first"
+
+
+def test_auto_repeats_cost_one_lookup(monkeypatch):
+    """Mode "first", one process: the first auto call consults the tuning cache, repeats do not
+    (they are the remembered choice: the unfused path plus one dictionary lookup)."""
+    from pyfused.comm import forget_seen
+    from pyfused.ops import matmul_all_reduce, tuned
+
+    calls = []
+    real = tuned.lookup
+    monkeypatch.setattr(tuned, "lookup", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    forget_seen()
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    for _ in range(4):
+        torch.testing.assert_close(matmul_all_reduce(a, b, method="auto"), a @ b)
+    assert len(calls) == 1
