@@ -19,7 +19,7 @@ round-robin (``time_interleaved``). One step is: forward, ``backward`` of a fixe
 (the input requires grad, so the input-gradient collectives are counted).
 
 TFLOP/s counts the two GEMMs, forward and backward: 3 x 2 GEMMs x 2*S*H*F/W = 12*S*H*F/W per rank.
-Shapes: the Llama-3 MLP sizes of benchmarks/shapes.py scaled as there (the MLP uses F, not the fused
+Shapes: the Llama-3 MLP sizes of pyfused/bench/shapes.py scaled as there (the MLP uses F, not the fused
 gate_up 2F, since it has no gate); ``--shapes MxKxN`` means S=M, H=K, F=N.
 """
 from __future__ import annotations
