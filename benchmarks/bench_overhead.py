@@ -56,10 +56,13 @@ def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
         return norm
     a, b = tensors
     if op == "all_gather_matmul":
-        gathered = a.new_empty((world * a.shape[0], a.shape[1]))
-        if world == 1:
-            return lambda: a @ b
-        return lambda: (comm.all_gather_single(gathered, a, group=pg), gathered @ b)[1]
+        def all_gather():
+            if world == 1:
+                return a @ b
+            gathered = a.new_empty((world * a.shape[0], a.shape[1]))
+            comm.all_gather_single(gathered, a, group=pg)
+            return gathered @ b
+        return all_gather
     if op == "matmul_reduce_scatter":
         def reduce_scatter():
             y = a @ b
