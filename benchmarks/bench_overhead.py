@@ -44,7 +44,8 @@ SAMPLES = {False: 15, True: 3}
 def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
     """The same work as ``op`` in plain torch on ``pg``."""
     world = comm.world_size(pg)
-    if op == "all_reduce_add_rmsnorm":
+    collective = OPS[op].collective
+    if not OPS[op].gemm:
         x, residual, weight = tensors
 
         def norm():
@@ -55,7 +56,7 @@ def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
             return F.rms_norm(h, (h.shape[-1],), weight, EPS), h
         return norm
     a, b = tensors
-    if op == "all_gather_matmul":
+    if collective == "all_gather":
         def all_gather():
             if world == 1:
                 return a @ b
@@ -63,7 +64,7 @@ def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
             comm.all_gather_single(gathered, a, group=pg)
             return gathered @ b
         return all_gather
-    if op == "matmul_reduce_scatter":
+    if collective == "reduce_scatter":
         def reduce_scatter():
             y = a @ b
             if world == 1:
