@@ -1,4 +1,4 @@
-"""pyfused: fused collective-compute ops for PyTorch (see README.md and ARCHITECTURE.md)."""
+"""pyfused: fused collective-compute ops for PyTorch (see README.md and docs/ARCHITECTURE.md)."""
 import importlib
 
 from . import comm, ops
