@@ -147,3 +147,19 @@ def test_ranks_disagreeing_on_a_gradient_fail_before_backward_hangs(ranks):
     msgs = ranks.run(2, _grad_differs, timeout=TIMEOUT)
     assert msgs[0] == msgs[1] and msgs[0] is not None, msgs
     assert "which inputs need a gradient" in msgs[0] and "rank 0 has a, rank 1 has none" in msgs[0]
+
+
+def test_observe_methods_sees_first_and_remembered_calls():
+    # a single process (no process group): the second call is a remembered one in mode "first"; the
+    # observer must still see it, and nothing once the block is left
+    import pyfused.ops as ops
+
+    seen = []
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    with ops.observe_methods(lambda op, choice: seen.append((op, choice.method))):
+        ops.matmul_all_reduce(a, b, method="auto")
+        ops.matmul_all_reduce(a, b, method="decomposed")
+        ops.matmul_all_reduce(a, b, method="auto")
+    ops.matmul_all_reduce(a, b, method="auto")
+    assert seen == [("matmul_all_reduce", "unfused"), ("matmul_all_reduce", "decomposed"),
+                    ("matmul_all_reduce", "unfused")], seen

@@ -42,7 +42,9 @@ def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
-    if isinstance(group, (dist.ProcessGroup, InProcessRank)):
+    # two checks, ProcessGroup first: under torch.compile a group is a fake script object that
+    # Dynamo matches against ProcessGroup alone, not inside a tuple of classes
+    if isinstance(group, dist.ProcessGroup) or isinstance(group, InProcessRank):
         return group
     try:
         from torch.distributed.device_mesh import DeviceMesh

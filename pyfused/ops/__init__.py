@@ -3,7 +3,7 @@
 Each is a ``torch.library`` custom op (``torch.ops.pyfused.<name>``, 2-D, with a fake implementation
 and registered autograd) under a functional wrapper that validates across ranks and reshapes.
 """
-from ._common import METHODS, MethodUnavailable
+from ._common import METHODS, MethodUnavailable, observe_methods
 from .all_gather_matmul import all_gather_matmul, all_gather_matmul_ref
 from .all_reduce_add_rmsnorm import all_reduce_add_rmsnorm, all_reduce_add_rmsnorm_ref
 from .matmul_all_reduce import matmul_all_reduce, matmul_all_reduce_ref
@@ -14,4 +14,5 @@ __all__ = [
     "METHODS", "InputError", "MethodUnavailable", "all_gather_matmul", "all_gather_matmul_ref",
     "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_ref",
     "matmul_all_reduce", "matmul_all_reduce_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
+    "observe_methods",
 ]

@@ -15,6 +15,7 @@ Every op and layer call runs ``prepare`` on every rank before any collective of 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -141,6 +142,28 @@ def _resolve(group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessG
 
 Check = Callable[[List[CallSignature], int, Tuple[str, ...]], Optional[str]]
 
+# Callbacks that see every call's method choice (``observe_methods``); empty in normal use, so a
+# call pays one truth test for them.
+_METHOD_OBSERVERS: List[Callable[[str, "Choice"], None]] = []
+
+
+@contextlib.contextmanager
+def observe_methods(callback: Callable[[str, "Choice"], None]):
+    """Within the block, ``callback(op_name, choice)`` runs for every op call this process prepares,
+    first calls and remembered ones alike: ``choice.method`` is the method the call runs (never
+    "auto") and ``choice.reason`` says why. For tools that report which methods fire on a model."""
+    _METHOD_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _METHOD_OBSERVERS.remove(callback)
+
+
+def _observed(name: str, choice: "Choice") -> "Choice":
+    for callback in _METHOD_OBSERVERS:
+        callback(name, choice)
+    return choice
+
 
 def prepare(name: str, names: Sequence[str], tensors: Sequence[Any], group, method: Any, *,
             check: Check, chunks: Any = 0, options: tuple = (),
@@ -158,12 +181,12 @@ def prepare(name: str, names: Sequence[str], tensors: Sequence[Any], group, meth
     if key is not None:
         hit = validate.seen(pg, key)
         if hit is not None:
-            return pg, hit
+            return pg, (_observed(name, hit) if _METHOD_OBSERVERS else hit)
     choice = _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, chunks,
                                options, auto, method_arg)
     if key is not None:
         validate.remember(pg, key, choice)
-    return pg, choice
+    return pg, (_observed(name, choice) if _METHOD_OBSERVERS else choice)
 
 
 def _local_signature(name, names, tensors, pg, in_group, method, chunks, options, auto

@@ -9,22 +9,18 @@ the report shows the choices of the first call of the model, recorded by ``Metho
 ``parallelize(..., verbose=True)`` prints the report on global rank 0 after parallelizing and again
 once the first call has recorded the methods.
 
-The recorder reads the ops' own account of their choice: every ``method="auto"`` decision is logged
-at debug level through pyfused's logger (pyfused/_logging.py). During the first call it lowers that
-logger's level to debug and attaches a filter that notes each choice against the module running it
-(forward pre/post hooks on the parallel layers) and drops the records the logger would not have
-emitted, so nothing new reaches the user's handlers.
+The recorder reads the ops' own account of their choice: ``pyfused.ops.observe_methods`` calls
+it with the method and reason of every op call prepared during the first call, which it notes
+against the parallel layer running it (forward pre/post hooks on the parallel layers).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-from .._logging import logger
 
 # layer class -> (op whose method is chosen per call, or None; what it communicates)
 COMMUNICATION = {
@@ -45,7 +41,6 @@ STYLE_NOTES = {
     "replicate": "replicated, full tensors",
     "blocks": "sequence-parallel region / pipeline units",
 }
-_CHOICE_MARK = "method=auto chose"
 
 
 @dataclass
@@ -112,23 +107,21 @@ def build_report(model: nn.Module, styles: Dict[str, str], mesh: str, sequence_p
     return report
 
 
-class MethodRecorder(logging.Filter):
-    """Records the ops' ``method="auto"`` choices against the parallel layer that made them."""
+class MethodRecorder:
+    """Records the ops' method choices against the parallel layer that made them."""
 
     def __init__(self):
-        super().__init__()
         self.current: List[str] = []
         self.choices: Dict[str, Dict[str, Tuple[str, str]]] = {}
-        self.level = logging.WARNING
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if self.current and _CHOICE_MARK in str(record.msg) and len(args) >= 3:
-            self.choices.setdefault(self.current[-1], {}).setdefault(str(args[0]), (str(args[1]), str(args[2])))
-        return record.levelno >= self.level
+    def note(self, op: str, choice) -> None:
+        if self.current:
+            self.choices.setdefault(self.current[-1], {}).setdefault(op, (choice.method, choice.reason))
 
     @contextlib.contextmanager
     def recording(self, model: nn.Module):
+        from ..ops import observe_methods
+
         def enter(name):
             def hook(module, args):
                 self.current.append(name)
@@ -142,15 +135,10 @@ class MethodRecorder(logging.Filter):
             if COMMUNICATION.get(type(m).__name__, (None,))[0]:
                 handles.append(m.register_forward_pre_hook(enter(name)))
                 handles.append(m.register_forward_hook(leave))
-        self.level = logger.getEffectiveLevel()
-        before = logger.level
-        logger.setLevel(logging.DEBUG)
-        logger.addFilter(self)
         try:
-            yield
+            with observe_methods(self.note):
+                yield
         finally:
-            logger.removeFilter(self)
-            logger.setLevel(before)
             for h in handles:
                 h.remove()
             self.current.clear()
