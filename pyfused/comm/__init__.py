@@ -1,5 +1,6 @@
 """Process groups, comm streams and cross-rank validation (see ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
+from .faults import PeerFailure, failures_named, group_timeout, names_failures
 from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
@@ -14,6 +15,7 @@ from .validate import (
 
 __all__ = [
     "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
+    "PeerFailure", "failures_named", "group_timeout", "names_failures",
     "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",

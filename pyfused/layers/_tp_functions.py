@@ -13,6 +13,8 @@ from torch import Tensor
 
 from .. import comm
 
+_COLUMN_BACKWARD = "ColumnParallelLinear backward (input-gradient all-reduce)"
+
 
 class ColumnLinearReplicatedInput(torch.autograd.Function):
     """``y = x @ w^T + bias`` where ``x`` is replicated and ``w`` is this rank's row shard.
@@ -37,12 +39,14 @@ class ColumnLinearReplicatedInput(torch.autograd.Function):
         if need_x:
             grad_x = g @ weight
             if comm.world_size(ctx.pg) > 1:
-                work = dist.all_reduce(grad_x, group=ctx.pg, async_op=ctx.overlap != "unfused")
+                with comm.failures_named(_COLUMN_BACKWARD, ctx.pg):
+                    work = dist.all_reduce(grad_x, group=ctx.pg, async_op=ctx.overlap != "unfused")
         g2 = g.reshape(-1, g.shape[-1])
         grad_w = g2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
         grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
         if work is not None and ctx.overlap != "unfused":
-            work.wait()
+            with comm.failures_named(_COLUMN_BACKWARD, ctx.pg):
+                work.wait()
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -57,7 +61,8 @@ class GatherLastDim(torch.autograd.Function):
         if w == 1:
             return x.clone()
         parts = x.new_empty((w * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 stacked, not a new dim
-        comm.all_gather_single(parts, x.contiguous(), group=pg)
+        with comm.failures_named("tensor-parallel gather of the last dim", pg):
+            comm.all_gather_single(parts, x.contiguous(), group=pg)
         return torch.cat(parts.view(w, *x.shape).unbind(0), dim=-1)
 
     @staticmethod
@@ -100,5 +105,6 @@ class AddSequenceParallelBias(torch.autograd.Function):
             return g, None, None
         grad_b = g.reshape(-1, g.shape[-1]).sum(0)
         if comm.world_size(ctx.pg) > 1:
-            dist.all_reduce(grad_b, group=ctx.pg)
+            with comm.failures_named("tensor-parallel bias gradient all-reduce", ctx.pg):
+                dist.all_reduce(grad_b, group=ctx.pg)
         return g, grad_b, None

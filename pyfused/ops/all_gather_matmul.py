@@ -82,6 +82,7 @@ def chunked_ring_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool
 
 
 @torch.library.custom_op("pyfused::all_gather_matmul", mutates_args=(), **_common.OP_TAGS)
+@comm.names_failures(OP)
 def _all_gather_matmul_op(a: Tensor, b: Tensor, group_name: str, method: str,
                           keep_gathered: bool) -> Tuple[Tensor, Tensor]:
     """2-D op: returns (all_gather(a) @ b, all_gather(a) if keep_gathered else an empty tensor)."""

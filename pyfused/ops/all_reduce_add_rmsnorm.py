@@ -94,6 +94,7 @@ def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, 
 
 
 @torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
+@comm.names_failures(OP)
 def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                                group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
     """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""

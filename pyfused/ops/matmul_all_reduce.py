@@ -59,6 +59,7 @@ def chunked_matmul_all_reduce(a: Tensor, b: Tensor, pg, chunks: int) -> Tensor:
 
 
 @torch.library.custom_op("pyfused::matmul_all_reduce", mutates_args=(), **_common.OP_TAGS)
+@comm.names_failures(OP)
 def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, chunks: int) -> Tensor:
     """2-D op: sum over ranks of a @ b, on every rank."""
     pg = comm.group_from_name(group_name)

@@ -73,6 +73,7 @@ def chunked_ring_matmul_reduce_scatter(a: Tensor, b: Tensor, pg) -> Tensor:
 
 
 @torch.library.custom_op("pyfused::matmul_reduce_scatter", mutates_args=(), **_common.OP_TAGS)
+@comm.names_failures(OP)
 def _matmul_reduce_scatter_op(a: Tensor, b: Tensor, group_name: str, method: str) -> Tensor:
     """2-D op: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b."""
     pg = comm.group_from_name(group_name)

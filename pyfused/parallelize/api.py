@@ -166,6 +166,11 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     return ParallelModel(model, info, tp, stage)
 
 
+def _world_group():
+    """The group a failure of a parallel model is reported in (ranks are global ones)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 class ParallelModel(nn.Module):
     """The parallelized model: called like the original, returns what it returns.
 
@@ -199,9 +204,10 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_sequence(args, kwargs)
-        if self._stage is not None:
-            return self._stage.run(args, kwargs)
-        return self._runner(*args, **kwargs)
+        with comm.failures_named("parallelize forward", _world_group()):
+            if self._stage is not None:
+                return self._stage.run(args, kwargs)
+            return self._runner(*args, **kwargs)
 
     def _check_sequence(self, args, kwargs) -> None:
         config = getattr(self.module, "config", None)
@@ -283,11 +289,12 @@ class ParallelModel(nn.Module):
             i = 0 if spec.dim is not None and self._tp.world > 1 else 1
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self._tp.world > 1:
-            dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
-        total = parts.max() if inf else parts.sum()
-        if self._stage is not None:
-            dist.all_reduce(total, op=op, group=self._stage.pg)
+        with comm.failures_named("parallelize clip_grad_norm_", _world_group()):
+            if self._tp.world > 1:
+                dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
+            total = parts.max() if inf else parts.sum()
+            if self._stage is not None:
+                dist.all_reduce(total, op=op, group=self._stage.pg)
         norm = total if inf else total.sqrt()
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {norm.item()}")
@@ -300,7 +307,8 @@ class ParallelModel(nn.Module):
         """``loss.backward()`` -- except with pipeline parallelism, where the call that returned the
         loss already ran the backward of every microbatch (the schedule interleaves them)."""
         if self._stage is None:
-            loss.backward()
+            with comm.failures_named("parallelize backward", _world_group()):
+                loss.backward()
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:

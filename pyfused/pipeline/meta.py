@@ -25,6 +25,7 @@ from .stage import Metas, PipelineStage, as_tuple, describe, metas_of, zeros
 
 _HEADER = comm.op_code("pipeline.activation_header")
 _MAX_TENSORS = (SIG_LEN - 5) // 12  # what fits in one fixed-size header
+SHAPES = "pipeline shape exchange"  # what a failed header transfer is reported as
 _OK, _FAILED = 0, 1
 
 
@@ -57,7 +58,9 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
                 status, in_metas = local.pop(s - 1)
             else:
                 header = torch.empty(SIG_LEN, dtype=torch.int64, device=comm_dev)
-                dist.recv(header, group=pg, group_src=stage_rank(s - 1, p))
+                peer = stage_rank(s - 1, p)
+                with comm.failures_named(SHAPES, pg, f"stage {s} receiving", peer):
+                    dist.recv(header, group=pg, group_src=peer)
                 status, in_metas = _decode(header)
             upstream_failed = status != _OK
         out_metas: Metas = ()
@@ -76,8 +79,9 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
             if stage_rank(s + 1, p) == stage_rank(s, p):
                 local[s] = (status, out_metas)
             else:
-                dist.send(_encode(status, out_metas, comm_dev), group=pg,
-                          group_dst=stage_rank(s + 1, p))
+                peer = stage_rank(s + 1, p)
+                with comm.failures_named(SHAPES, pg, f"stage {s} sending", peer):
+                    dist.send(_encode(status, out_metas, comm_dev), group=pg, group_dst=peer)
     return error
 
 
