@@ -289,3 +289,56 @@ def test_non_communication_errors_pass_through():
     with pytest.raises(PeerFailure, match=r"pyfused\.op \(decomposed\).*Timed out"):
         with failures_named("op", None, "decomposed"):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms")
+
+
+# ----------------------------------------------------------------------------- local work
+def _local_failure_on_rank_1(rank, world):
+    from pyfused.comm import LocalWorkError, agree_on_local_work
+
+    def write_file():
+        if rank == 1:
+            raise OSError("disk full")
+        return rank
+
+    assert agree_on_local_work(dist.group.WORLD, "writing a file", lambda: rank) == rank
+    t0 = time.monotonic()
+    try:
+        agree_on_local_work(dist.group.WORLD, "writing a file", write_file)
+    except LocalWorkError as e:
+        return str(e), time.monotonic() - t0
+    dist.barrier()  # where a rank that was not told would wait for the group's timeout
+    return None, time.monotonic() - t0
+
+
+def test_local_failure_reaches_every_rank_at_once(ranks):
+    got = ranks.run(3, _local_failure_on_rank_1, timeout=30)
+    for message, seconds in got:
+        assert message == "writing a file failed on rank 1: OSError: disk full", message
+        assert seconds < 10  # at once, not after the group's timeout (90 s in the pool)
+
+
+def _bench_pipeline_without_matplotlib(rank, world, out):
+    import sys
+
+    from pyfused.bench.harness import BenchContext
+    from pyfused.benchmarks import bench_pipeline
+
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "matplotlib"}
+    sys.modules["matplotlib"] = None  # ``import matplotlib`` raises ImportError: a minimal install
+    try:
+        ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                           warmup=1, iters=2, options={"out": out})
+        return bench_pipeline.run(ctx)
+    finally:
+        del sys.modules["matplotlib"]
+        sys.modules.update(saved)
+
+
+def test_pipeline_suite_without_matplotlib_skips_its_plot(ranks, tmp_path):
+    results = ranks.run(2, _bench_pipeline_without_matplotlib, str(tmp_path), timeout=120)
+    ours = [r for r in results[0] if r["method"] == "pyfused"]
+    assert len(ours) == 3 and all(r["time_ms"] > 0 for r in results[0])
+    for r in ours:
+        assert r["timeline_png"] == "" and "matplotlib is not installed" in r["note"], r
+    assert not list(tmp_path.glob("*.png"))
+    assert [r["shape"] for r in results[1]] == [r["shape"] for r in results[0]]

@@ -19,12 +19,14 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .group import group_from_name
+
+T = TypeVar("T")
 
 # Substrings of the errors torch.distributed raises when a peer is gone or silent, for the plain
 # RuntimeErrors that gloo and NCCL raise (torch's own DistError subclasses are recognised by type).
@@ -146,3 +148,31 @@ def names_failures(op: str):
         named.__signature__ = inspect.signature(fn, eval_str=True)
         return named
     return wrap
+
+
+class LocalWorkError(RuntimeError):
+    """Local work (a file, a plot, an import) failed on some rank; raised on every rank at once."""
+
+
+def agree_on_local_work(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` -- work of this rank alone that may fail here and not elsewhere -- then tell
+    every rank of ``pg`` at once (one ``all_gather_object``): if any rank's ``fn`` raised, every
+    rank raises the same ``LocalWorkError`` naming the first such rank. Without this agreement the
+    ranks that succeeded would go on to their next collective and wait there for the group's
+    timeout. Returns ``fn()``'s value."""
+    value, error = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = f"{type(e).__name__}: {e}"
+    errors = [error]
+    if pg is not None and dist.get_world_size(pg) > 1:
+        errors = [None] * dist.get_world_size(pg)
+        with failures_named(f"agreement after {what}", pg):
+            dist.all_gather_object(errors, error, group=pg)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        where = f" on rank {failed[0][0]}" if len(errors) > 1 else ""
+        others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise LocalWorkError(f"{what} failed{where}{others}: {failed[0][1]}")
+    return value
