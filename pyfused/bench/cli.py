@@ -93,8 +93,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="skip the ops' cross-rank input exchange while timing "
                         "(pyfused.comm.set_validation(False)); recorded in every row")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective may block inside a suite before it fails "
-                        "(default: %(default)s)")
+                   help="seconds a collective may wait for a peer inside a suite before it fails: "
+                        "a dead or frozen rank fails the suite after this long (default: "
+                        "%(default)s = 5 minutes; torch's own default is 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -285,9 +286,13 @@ def _run_all(args, modules, backend, rank, world, device) -> int:
     finally:
         progress.close()
     failed = [r for r in results if r.errors]
-    if rank == 0:
-        report(results, base, Path(args.out))
-    dist.barrier(group=control)
+    try:  # rank 0 writes files; the others must not wait at a collective if that fails
+        comm.agree_on_local_work(control, "writing the report",
+                                 lambda: report(results, base, Path(args.out)) if rank == 0 else None)
+    except comm.LocalWorkError as e:
+        if rank == 0:
+            print(f"python -m pyfused.bench: {e}", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 
