@@ -342,3 +342,21 @@ def test_pipeline_suite_without_matplotlib_skips_its_plot(ranks, tmp_path):
         assert r["timeline_png"] == "" and "matplotlib is not installed" in r["note"], r
     assert not list(tmp_path.glob("*.png"))
     assert [r["shape"] for r in results[1]] == [r["shape"] for r in results[0]]
+
+
+def _fused_wait_bound(rank, world):
+    from pyfused.comm import group_timeout
+    from pyfused.fused import config
+
+    saved = os.environ.pop("PYFUSED_FUSED_TIMEOUT_MS", None)  # the override (gpu_check.sh sets it)
+    try:
+        return config.timeout_ms(), group_timeout(dist.group.WORLD).total_seconds()
+    finally:
+        if saved is not None:
+            os.environ["PYFUSED_FUSED_TIMEOUT_MS"] = saved
+
+
+def test_fused_waits_follow_the_group_timeout(ranks):
+    """The fused kernels' device-side waits on peers are bounded by the group's timeout too."""
+    for ms, group_s in ranks.run(2, _fused_wait_bound, timeout=30):
+        assert ms == group_s * 1000
