@@ -19,14 +19,16 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
+from .._logging import logger
 from .group import group_from_name
 
 T = TypeVar("T")
+Detail = Union[str, Tuple[object, ...]]  # what the operation was doing: a string, or its parts
 
 # Substrings of the errors torch.distributed raises when a peer is gone or silent, for the plain
 # RuntimeErrors that gloo and NCCL raise (torch's own DistError subclasses are recognised by type).
@@ -69,10 +71,13 @@ def is_comm_failure(e: BaseException) -> bool:
     return any(m in text for m in _COMM_MARKERS)
 
 
-def describe(op: str, pg: Optional[dist.ProcessGroup], detail: str = "",
+def describe(op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
              peer: Optional[int] = None) -> str:
     """``pyfused.<op> [detail] on rank r of group g (size w), peer p: ...`` -- the context a failure
-    message starts with."""
+    message starts with. A tuple ``detail`` is joined with spaces (callers on hot paths pass its
+    parts, so that nothing is formatted unless something failed)."""
+    if isinstance(detail, tuple):
+        detail = " ".join(map(str, detail))
     where = f"pyfused.{op}" + (f" ({detail})" if detail else "")
     if pg is None or not dist.is_initialized():
         return where
@@ -96,7 +101,7 @@ class failures_named:  # noqa: N801 - used as a context manager, reads like one
 
     __slots__ = ("op", "pg", "detail", "peer")
 
-    def __init__(self, op: str, pg: Optional[dist.ProcessGroup], detail: str = "",
+    def __init__(self, op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
                  peer: Optional[int] = None):
         self.op = op
         self.pg = pg
@@ -112,7 +117,7 @@ class failures_named:  # noqa: N801 - used as a context manager, reads like one
         raise peer_failure(e, self.op, self.pg, self.detail, self.peer) from e
 
 
-def peer_failure(e: BaseException, op: str, pg: Optional[dist.ProcessGroup], detail: str = "",
+def peer_failure(e: BaseException, op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
                  peer: Optional[int] = None) -> PeerFailure:
     """The ``PeerFailure`` for backend error ``e`` met in ``op``."""
     timeout = group_timeout(pg)
@@ -176,3 +181,25 @@ def agree_on_local_work(pg: Optional[dist.ProcessGroup], what: str, fn: Callable
         others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
         raise LocalWorkError(f"{what} failed{where}{others}: {failed[0][1]}")
     return value
+
+
+def inherit_default_timeout(groups) -> None:
+    """Give each of ``groups`` the default group's timeout where its own is longer.
+
+    A ``DeviceMesh`` creates the groups of its dimensions (those smaller than the world) with
+    torch's default timeout -- 30 minutes on gloo, 10 on NCCL -- whatever
+    ``init_process_group(timeout=...)`` said, so a frozen rank would hang its tp or dp peers that
+    long. ``parallelize`` calls this on its mesh's groups so that the one timeout the user set bounds
+    every wait (``torch.distributed.set_timeout``; logged at INFO)."""
+    if not (dist.is_available() and dist.is_initialized()) or not hasattr(dist, "set_timeout"):
+        return
+    wanted = group_timeout(dist.group.WORLD)
+    if wanted is None:
+        return
+    for pg in groups:
+        current = group_timeout(pg)
+        if pg is None or pg is dist.group.WORLD or current is None or current <= wanted:
+            continue
+        dist.set_timeout(wanted, pg)
+        logger.info("pyfused: group %r had torch's default timeout %s; set to the default group's %s",
+                    pg.group_name, current, wanted)

@@ -320,7 +320,7 @@ class Reducer:
                 if self.sharded:
                     b.extra["shard_out"].copy_(buf)
             else:
-                with comm.failures_named(FINALIZE, self.pg, f"bucket {b.index}"):
+                with comm.failures_named(FINALIZE, self.pg, ("bucket", b.index)):
                     b.work = (comm.reduce_scatter_single(b.extra["shard_out"], buf, group=self.pg,
                                                          async_op=True) if self.sharded
                               else dist.all_reduce(buf, group=self.pg, async_op=True))

@@ -231,7 +231,7 @@ class ShardedState:
                 buf[lo:hi].copy_(b.extra["master"])
             if self.pg is None or self.world == 1:
                 continue
-            with comm.failures_named(GATHER, self.pg, f"bucket {k}"):
+            with comm.failures_named(GATHER, self.pg, ("bucket", k)):
                 self.pending[k] = comm.all_gather_single(buf, buf[lo:hi], group=self.pg,
                                                          async_op=True)
 
@@ -242,13 +242,13 @@ class ShardedState:
                 for k in needs:
                     work = self.pending.pop(k, None)
                     if work is not None:
-                        with comm.failures_named(GATHER, self.pg, f"bucket {k}"):
+                        with comm.failures_named(GATHER, self.pg, ("bucket", k)):
                             work.wait()
         return hook
 
     def wait_all(self) -> None:
         for k in list(self.pending):
-            with comm.failures_named(GATHER, self.pg, f"bucket {k}"):
+            with comm.failures_named(GATHER, self.pg, ("bucket", k)):
                 self.pending.pop(k).wait()
 
     @torch.no_grad()

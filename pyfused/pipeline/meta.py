@@ -59,7 +59,7 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
             else:
                 header = torch.empty(SIG_LEN, dtype=torch.int64, device=comm_dev)
                 peer = stage_rank(s - 1, p)
-                with comm.failures_named(SHAPES, pg, f"stage {s} receiving", peer):
+                with comm.failures_named(SHAPES, pg, ("stage", s, "receiving"), peer):
                     dist.recv(header, group=pg, group_src=peer)
                 status, in_metas = _decode(header)
             upstream_failed = status != _OK
@@ -80,7 +80,7 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
                 local[s] = (status, out_metas)
             else:
                 peer = stage_rank(s + 1, p)
-                with comm.failures_named(SHAPES, pg, f"stage {s} sending", peer):
+                with comm.failures_named(SHAPES, pg, ("stage", s, "sending"), peer):
                     dist.send(_encode(status, out_metas, comm_dev), group=pg, group_dst=peer)
     return error
 

@@ -91,7 +91,7 @@ class Transport:
             return
         t0 = time.perf_counter()
         with comm.on_comm_stream(self.device) as stream, comm.failures_named(
-                TRANSFER, self.pg, f"posting {len(ops)} transfers"):
+                TRANSFER, self.pg, ("posting", len(ops), "transfers")):
             works = dist.batch_isend_irecv(ops)
         for op in ops:
             comm.keep_alive(op.tensor, stream)
@@ -120,7 +120,7 @@ class Transport:
     def wait_recv(self, msg: Message) -> Tuple[torch.Tensor, ...]:
         works, tensors, peer = self._recvs.pop(msg)
         t0 = time.perf_counter()
-        with comm.failures_named(TRANSFER, self.pg, f"receiving {msg}", peer):
+        with comm.failures_named(TRANSFER, self.pg, ("receiving", msg), peer):
             for w in works:
                 w.wait()
         if self.recorder is not None:
@@ -136,7 +136,7 @@ class Transport:
 
     def _wait_send(self, entry) -> None:
         works, _, msg, peer = entry
-        with comm.failures_named(TRANSFER, self.pg, f"sending {msg}", peer):
+        with comm.failures_named(TRANSFER, self.pg, ("sending", msg), peer):
             for w in works:
                 w.wait()
 
