@@ -360,3 +360,22 @@ def test_fused_waits_follow_the_group_timeout(ranks):
     """The fused kernels' device-side waits on peers are bounded by the group's timeout too."""
     for ms, group_s in ranks.run(2, _fused_wait_bound, timeout=30):
         assert ms == group_s * 1000
+
+
+def _mesh_timeouts(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pyfused.comm import group_timeout
+    from pyfused.parallelize.api import MeshInfo
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("tp", "dp"))
+    before = group_timeout(mesh.get_group("dp")).total_seconds()  # a dim smaller than the world
+    info = MeshInfo(mesh)
+    return before, group_timeout(info.group["dp"]).total_seconds(), group_timeout(dist.group.WORLD).total_seconds()
+
+
+def test_parallelize_mesh_groups_take_the_default_timeout(ranks):
+    """A DeviceMesh's sub-groups are made with torch's 30-minute default; parallelize gives them
+    the timeout of init_process_group."""
+    for before, after, world_s in ranks.run(3, _mesh_timeouts, timeout=30):
+        assert before == 30 * 60 and after == world_s != before

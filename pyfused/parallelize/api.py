@@ -55,6 +55,8 @@ class MeshInfo:
                 self.size[name] = mesh.size(i)
                 self.group[name] = mesh.get_group(name)
                 self.coord[name] = mesh.get_local_rank(name)
+        # the mesh's own groups would otherwise keep torch's default timeout (docs/FAULTS.md)
+        comm.faults.inherit_default_timeout(self.group.values())
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
