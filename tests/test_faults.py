@@ -8,6 +8,10 @@ pyfused imported (a start costs ~0.1 s, not an interpreter's import), joined thr
 with a group timeout of ``TIMEOUT_S``. The victim is rank ``VICTIM``; it records when it struck,
 the survivors record when and what they raised, and every process left is killed in teardown.
 Each case prints its times (``pytest -s`` shows them).
+
+The tests after them use the shared pool: local work that fails on one rank reaches every rank at
+once (the pipeline bench suite without matplotlib included), and the fused kernels' waits and a
+DeviceMesh's groups take the group's timeout.
 """
 from __future__ import annotations
 

@@ -11,8 +11,12 @@ What pyfused adds is the *where*: ``failures_named(op, pg, ...)`` wraps the comm
 an operation and turns a failure of torch.distributed into ``PeerFailure``, whose message names the
 pyfused operation, this rank, the group, the peer when one is known, and the group's timeout; the
 original error is its ``__cause__``. On the success path it costs one small object and a
-``with`` (about 0.1 us, measured by tests/test_faults.py::test_naming_costs_nothing); the message
-is built only when something failed.
+``with`` (about 1 us on a loaded 2-core box, against tens of microseconds for the smallest gloo
+collective; docs/FAULTS.md); the message is built only when something failed.
+
+``agree_on_local_work`` is the other half: work that may fail on one rank alone (a file, a plot)
+followed by an agreement, so that the others raise at once instead of at their next collective's
+timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout.
 """
 from __future__ import annotations
 
