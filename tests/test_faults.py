@@ -234,7 +234,8 @@ def run_with_fault(path: str, mode: str, tmp_path: Path) -> dict:
             if p.is_alive():
                 p.kill()
             p.join(10)
-    assert len(exited) == len(survivors), f"{path}/{mode}: survivors still running: {set(survivors) - set(exited)}"
+    lingering = set(survivors) - set(exited)
+    assert not lingering, f"{path}/{mode}: survivors still running after the deadline: {lingering}"
     if not (tmp_path / "struck.json").exists():
         found = {f.name: f.read_text() for f in tmp_path.glob("rank*.json")}
         raise AssertionError(f"{path}/{mode}: the victim never struck; the ranks wrote {found}")
@@ -374,8 +375,8 @@ def _mesh_timeouts(rank, world):
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("tp", "dp"))
     before = group_timeout(mesh.get_group("dp")).total_seconds()  # a dim smaller than the world
-    info = MeshInfo(mesh)
-    return before, group_timeout(info.group["dp"]).total_seconds(), group_timeout(dist.group.WORLD).total_seconds()
+    after = group_timeout(MeshInfo(mesh).group["dp"]).total_seconds()
+    return before, after, group_timeout(dist.group.WORLD).total_seconds()
 
 
 def test_parallelize_mesh_groups_take_the_default_timeout(ranks):
