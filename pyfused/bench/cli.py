@@ -16,6 +16,7 @@ failed row (its traceback on stderr). The exit status is 1 if any suite failed, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
@@ -214,8 +215,9 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
         except Exception:  # noqa: BLE001 - reported as the suite's failure
             rows, err = [], traceback.format_exc()
     everyone = [None] * base.world
-    dist.all_gather_object(everyone, (len(rows), err, rows if base.rank == 0 else None),
-                           group=control)
+    with _bounded(control, timeout_s if mod.MULTI_RANK else None, result.name):
+        dist.all_gather_object(everyone, (len(rows), err, rows if base.rank == 0 else None),
+                               group=control)
     result.errors = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
     counts = {n for n, e, _ in everyone if not e} if mod.MULTI_RANK else set()
     if not result.errors and len(counts) > 1:
@@ -227,6 +229,25 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
         dist.destroy_process_group(group)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@contextlib.contextmanager
+def _bounded(control, suite_timeout_s: Optional[float], suite: str):
+    """The agreement after a suite. After a multi-rank suite the ranks arrive within about one
+    collective's timeout of each other (every rank took part in the suite's collectives), so the
+    wait is bounded by twice ``--timeout``: a rank that froze in the suite then fails the run
+    instead of holding the others for the control group's whole-suite timeout."""
+    from .. import comm
+
+    if suite_timeout_s is None or not hasattr(dist, "set_timeout"):
+        yield
+        return
+    dist.set_timeout(datetime.timedelta(seconds=2 * suite_timeout_s), control)
+    try:
+        with comm.failures_named(f"bench agreement after suite {suite}", control):
+            yield
+    finally:
+        dist.set_timeout(datetime.timedelta(seconds=CONTROL_TIMEOUT_S), control)
 
 
 def _finish_row(row: Dict[str, Any], name: str, ctx: BenchContext, meta: Dict[str, Any]
