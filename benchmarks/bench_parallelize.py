@@ -1,11 +1,18 @@
-"""One training step of a transformers Llama model parallelized by ``pyfused.parallelize`` against the
+"""One training step of a transformers model parallelized by ``pyfused.parallelize`` against the
 same model parallelized by torch's own ``parallelize_module`` (DTensor), on the same TP mesh (every
-rank of the suite's group), in the same run.
+rank of the suite's group), in the same run. Three families, each timed against its own torch-tp
+row: Llama, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma2 (scaled embedding, soft-capping,
+sliding-window layers; untied LM head, which torch's plan cannot share with a vocab-parallel
+embedding).
 
 Variants (rows):
   * ``torch-tp``: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, vocab-parallel embedding
     (RowwiseParallel, replicated output) and LM head (ColwiseParallel, replicated logits) -- the
-    plan transformers' own ``tp_plan`` and torchtitan use without sequence parallelism. (torch's
+    plan transformers' own ``tp_plan`` and torchtitan use without sequence parallelism. Phi-3's fused
+    projections are ColwiseParallel too, their rows permuted beforehand so that each rank's
+    contiguous shard is its [q|k|v] heads / its [gate|up] share, and the attention modules' head
+    counts (which Phi-3 reads from its config) divided -- what a user of torch's API has to do by
+    hand for the same model. (torch's
     sequence parallelism shards dim 1 of batch-first activations, which the transformers model's own
     forward then misreads as the sequence length, so there is no torch SP row.)
   * ``pyfused-tp``: ``parallelize(model, mesh, sequence_parallel=False)``;
@@ -46,9 +53,8 @@ class Size:
     batch: int
     seq: int
 
-    @property
-    def label(self) -> str:
-        return (f"llama h={self.hidden} L={self.layers} heads={self.heads}/{self.kv_heads} "
+    def label(self, family: str) -> str:
+        return (f"{family} h={self.hidden} L={self.layers} heads={self.heads}/{self.kv_heads} "
                 f"ffn={self.ffn} V={self.vocab} b={self.batch} s={self.seq}")
 
 
@@ -60,30 +66,68 @@ SIZES = {  # (device type, quick) -> size; every dim divisible by up to 8 TP ran
 }
 
 
-def build(size: Size, ctx):
+FAMILIES = ("llama", "phi3", "gemma2")
+
+
+def build(size: Size, ctx, family: str = "llama"):
     import transformers as tf
 
     state = torch.random.get_rng_state()
     torch.manual_seed(1234)
-    cfg = tf.LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.ffn,
-                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                         num_key_value_heads=size.kv_heads, max_position_embeddings=size.seq)
-    model = tf.LlamaForCausalLM(cfg).to(ctx.device, ctx.dtype)
+    common = dict(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.ffn,
+                  num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                  num_key_value_heads=size.kv_heads, max_position_embeddings=size.seq)
+    if family == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0))
+    elif family == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            **common, head_dim=size.hidden // size.heads, query_pre_attn_scalar=size.hidden // size.heads,
+            sliding_window=size.seq // 2, tie_word_embeddings=False))
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    model = model.to(ctx.device, ctx.dtype)
     torch.random.set_rng_state(state)
     return model
 
 
-def torch_tp(model, mesh):
+def _rank_major(weight: torch.Tensor, sections, world: int) -> torch.Tensor:
+    """Rows of a fused projection reordered so that contiguous shard r is rank r's part of every
+    section ([q_r|k_r|v_r] or [gate_r|up_r]): what ColwiseParallel's even split then gives rank r."""
+    parts = [p.chunk(world) for p in weight.split(list(sections))]
+    return torch.cat([parts[i][r] for r in range(world) for i in range(len(parts))])
+
+
+def _prepare_phi3_for_torch_tp(model, world: int) -> None:
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+            qkv.weight.copy_(_rank_major(qkv.weight, (q, kv, kv), world))
+            gate_up.weight.copy_(_rank_major(gate_up.weight, (cfg.intermediate_size,) * 2, world))
+            layer.self_attn.num_key_value_heads //= world
+    cfg.num_attention_heads //= world  # read at forward time by Phi3Attention (this copy's config)
+    cfg.num_key_value_heads //= world
+
+
+def torch_tp(model, mesh, family: str = "llama"):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for name in ("q_proj", "k_proj", "v_proj"):
-        plan[f"model.layers.*.self_attn.{name}"] = ColwiseParallel()
+    if family == "phi3":
+        _prepare_phi3_for_torch_tp(model, mesh.size())
+        plan["model.layers.*.self_attn.qkv_proj"] = ColwiseParallel()
+        plan["model.layers.*.mlp.gate_up_proj"] = ColwiseParallel()
+    else:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"model.layers.*.self_attn.{name}"] = ColwiseParallel()
+        plan["model.layers.*.mlp.gate_proj"] = ColwiseParallel()
+        plan["model.layers.*.mlp.up_proj"] = ColwiseParallel()
     plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
-    plan["model.layers.*.mlp.gate_proj"] = ColwiseParallel()
-    plan["model.layers.*.mlp.up_proj"] = ColwiseParallel()
     plan["model.layers.*.mlp.down_proj"] = RowwiseParallel()
     return parallelize_module(model, mesh, plan)
 
@@ -107,16 +151,21 @@ def training_step(model, opt, ids):
 
 
 def run(ctx) -> List[Dict]:
+    return [row for family in FAMILIES for row in run_family(ctx, family)]
+
+
+def run_family(ctx, family: str) -> List[Dict]:
     import pyfused
     from torch.distributed.device_mesh import DeviceMesh
 
     size = SIZES[(ctx.device.type if ctx.device.type == "cuda" else "cpu", ctx.quick)]
+    label = size.label(family)
     mesh = DeviceMesh.from_group(ctx.group, ctx.device.type, mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, size.vocab, (size.batch, size.seq), generator=g).to(ctx.device)
-    full = build(size, ctx)
+    full = build(size, ctx, family)
     makers = {
-        "torch-tp": lambda m: torch_tp(m, mesh),
+        "torch-tp": lambda m: torch_tp(m, mesh, family),
         "pyfused-tp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=False),
         "pyfused-tp+sp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=True),
     }
@@ -129,7 +178,7 @@ def run(ctx) -> List[Dict]:
             loss = model(input_ids=ids, labels=ids).loss.detach().float().reshape(1)
         if ref_loss is None:
             ref_loss = loss
-        agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {size.label}", ctx)
+        agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {label}", ctx)
         steps[name] = training_step(model, opt, ids)
     # round-robin: load drifting on a shared machine hits every variant alike
     times = time_interleaved(steps, ctx)
@@ -137,10 +186,10 @@ def run(ctx) -> List[Dict]:
     flop = flop_per_rank(size, ctx.world)
     for name, ms in times.items():
         rows.append(op_row(
-            ctx, shape=size.label, dtype=ctx.dtype, method=name, transport=ctx.transport, ms=ms,
+            ctx, shape=label, dtype=ctx.dtype, method=name, transport=ctx.transport, ms=ms,
             flop=flop, t_baseline=times["torch-tp"],
             note=f"{size.batch * size.seq / (ms * 1e-3):.0f} tokens/s",
             tokens_per_s=size.batch * size.seq / (ms * 1e-3),
-            speedup_vs_torch_tp=speedup(times["torch-tp"], ms), tp=ctx.world,
+            speedup_vs_torch_tp=speedup(times["torch-tp"], ms), tp=ctx.world, family=family,
             sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
     return rows

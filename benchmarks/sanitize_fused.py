@@ -1,4 +1,5 @@
-"""Driver for compute-sanitizer over the fused kernels (benchmarks/gpu_check.sh, steps sanitize_*).
+"""Driver for compute-sanitizer over the fused kernels (benchmarks/gpu_check.sh, steps memcheck_*,
+racecheck).
 
     compute-sanitizer --tool memcheck  --target-processes all --error-exitcode 9 \
         python benchmarks/sanitize_fused.py --world 2
@@ -12,6 +13,14 @@ runs every fused kernel on small odd shapes -- the custom all-reduce (one-shot a
 epilogue), GEMM + all-reduce, all-gather + GEMM, GEMM + reduce-scatter -- ``--iters`` times, checks
 the results against fp64 references on the CPU, frees its buffers and exits 0; any mismatch or
 error exits 1 (and the sanitizer exits 9 on a memory or race error it found).
+
+``--virtual`` runs the ranks as virtual ranks of this one process instead
+(pyfused/fused/virtual_ranks.py: one stream and an SM share per rank, truly concurrent on one GPU),
+every case of pyfused/fused/virtual_cases.py in bf16: what the sanitizer sees is then one process
+whose ranks' kernels run at the same time, as on a node, rather than time-sliced processes -- where
+the tool lets them: a tool that serializes a process's kernel launches deadlocks virtual ranks
+(their kernels wait on each other) until the fused timeout, so benchmarks/gpu_check.sh runs the
+sanitizer over one process per rank.
 
 ``--cpu`` runs the same driver on CPU (host-shm buffers, CPU kernels, Triton interpreter): a check
 of the driver itself where there is no GPU (tests/test_fused.py runs it).
@@ -99,6 +108,32 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
     free_all()
 
 
+def _virtual_main(world: int, iters: int, cpu: bool) -> int:
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before pyfused.kernels is imported
+    import torch
+
+    from pyfused.fused.virtual_cases import CASES, max_rel_error
+    from pyfused.fused.virtual_ranks import VirtualGroup
+
+    dtype, (rows, n, k) = (torch.float32, (6, 20, 12)) if cpu else (torch.bfloat16, (40, 72, 96))
+    tol = 1e-4 if cpu else 3e-2
+    group = VirtualGroup(world, "cpu" if cpu else "cuda")
+    failed = 0
+    for it in range(iters):
+        for name, case in CASES.items():
+            inputs = case.make(world, rows, n, k, dtype, group.device, it)
+            err = max_rel_error(group.run(case.fused, inputs), case.reference(inputs))
+            if not err <= tol:
+                print(f"--- {name} (virtual W={world}, iteration {it}): relative error {err:.3g} > {tol}",
+                      file=sys.stderr)
+                failed += 1
+    group.free()
+    print(f"sanitize_fused: virtual world {world}, {iters} iterations: "
+          f"{'FAILED' if failed else 'all kernels ran and matched'}")
+    return 1 if failed else 0
+
+
 def _rank_main(rank: int, world: int, port: int, iters: int, cpu: bool, results) -> None:
     if cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before pyfused.kernels is imported
@@ -119,7 +154,10 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--cpu", action="store_true", help="check the driver on CPU (no GPU needed)")
+    p.add_argument("--virtual", action="store_true", help="the ranks as virtual ranks of one process")
     args = p.parse_args(argv)
+    if args.virtual:
+        return _virtual_main(args.world, args.iters, args.cpu)
     os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     if args.world == 1:
         import multiprocessing as mp

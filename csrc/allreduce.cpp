@@ -4,7 +4,7 @@
 //
 //   all_reduce_rows(Tensor buffer_ptrs, Tensor pad_ptrs, Tensor(a!) out, Tensor? residual,
 //                   Tensor(b!)? residual_out, Tensor? weight, float eps, int rank, int epoch,
-//                   int algo, int timeout_ms=60000) -> ()
+//                   int algo, int timeout_ms=60000, int max_blocks=64) -> ()
 //       Every rank p holds x_p, rows x cols of out's dtype, at the start of its symmetric buffer
 //       (buffer_ptrs[p], an address valid in this process); pad_ptrs[p] is p's signal pad. Computes
 //           h   = sum_{p = 0..W-1} x_p (+ residual)     fp32 accumulation in rank order, rounded to
@@ -43,6 +43,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -99,8 +100,9 @@ void check_all_reduce_args(const at::Tensor& buffer_ptrs, const at::Tensor& pad_
                            const at::Tensor& out, const std::optional<at::Tensor>& residual,
                            const std::optional<at::Tensor>& residual_out,
                            const std::optional<at::Tensor>& weight, int64_t rank, int64_t epoch,
-                           int64_t algo, int64_t timeout_ms) {
+                           int64_t algo, int64_t timeout_ms, int64_t max_blocks) {
   const char* op = "pyfused::all_reduce_rows";
+  TORCH_CHECK(max_blocks >= 1, op, ": max_blocks must be >= 1, got ", max_blocks);
   check_ptr_table(buffer_ptrs, "buffer_ptrs", op);
   check_ptr_table(pad_ptrs, "pad_ptrs", op);
   TORCH_CHECK(buffer_ptrs.sym_sizes() == pad_ptrs.sym_sizes(), op,
@@ -187,8 +189,9 @@ void finish_row_host(const T* h, int64_t cols, T* out, T* residual_out, const fl
 template <typename T>
 void all_reduce_rows_host(const int64_t* bufs, const int64_t* pads, T* out, const T* residual,
                           T* residual_out, const float* weight, float eps, int64_t rows, int64_t cols,
-                          int rank, int world, int32_t epoch, int algo, int64_t timeout_ms) {
-  const int grid = launch_blocks(rows, world, algo);
+                          int rank, int world, int32_t epoch, int algo, int64_t timeout_ms,
+                          int max_blocks) {
+  const int grid = launch_blocks(rows, world, algo, max_blocks);
   for (int b = 0; b < grid; ++b) {
     barrier_host(pads, rank, world, kChanStart, b, epoch, timeout_ms);
     if (algo == kOneShot) {
@@ -219,9 +222,9 @@ void all_reduce_rows_cpu(const at::Tensor& buffer_ptrs, const at::Tensor& pad_pt
                          const std::optional<at::Tensor>& residual,
                          const std::optional<at::Tensor>& residual_out,
                          const std::optional<at::Tensor>& weight, double eps, int64_t rank,
-                         int64_t epoch, int64_t algo, int64_t timeout_ms) {
+                         int64_t epoch, int64_t algo, int64_t timeout_ms, int64_t max_blocks) {
   check_all_reduce_args(buffer_ptrs, pad_ptrs, out, residual, residual_out, weight, rank, epoch, algo,
-                        timeout_ms);
+                        timeout_ms, max_blocks);
   const int world = static_cast<int>(buffer_ptrs.size(0));
   dispatch_float_types(out.scalar_type(), "pyfused::all_reduce_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -231,7 +234,7 @@ void all_reduce_rows_cpu(const at::Tensor& buffer_ptrs, const at::Tensor& pad_pt
         residual_out ? residual_out->mutable_data_ptr<scalar_t>() : nullptr,
         weight ? weight->const_data_ptr<float>() : nullptr, static_cast<float>(eps), out.size(0),
         out.size(1), static_cast<int>(rank), world, static_cast<int32_t>(epoch), static_cast<int>(algo),
-        timeout_ms);
+        timeout_ms, static_cast<int>(std::min<int64_t>(max_blocks, kMaxBlocks)));
   });
 }
 
@@ -246,9 +249,9 @@ void all_reduce_rows_meta(const at::Tensor& buffer_ptrs, const at::Tensor& pad_p
                           const std::optional<at::Tensor>& residual,
                           const std::optional<at::Tensor>& residual_out,
                           const std::optional<at::Tensor>& weight, double eps, int64_t rank,
-                          int64_t epoch, int64_t algo, int64_t timeout_ms) {
+                          int64_t epoch, int64_t algo, int64_t timeout_ms, int64_t max_blocks) {
   check_all_reduce_args(buffer_ptrs, pad_ptrs, out, residual, residual_out, weight, rank, epoch, algo,
-                        timeout_ms);
+                        timeout_ms, max_blocks);
 }
 
 void symm_barrier_meta(const at::Tensor& pad_ptrs, int64_t rank, int64_t channel, int64_t block,
@@ -356,7 +359,7 @@ TORCH_LIBRARY_FRAGMENT(pyfused, m) {
   m.def(
       "all_reduce_rows(Tensor buffer_ptrs, Tensor pad_ptrs, Tensor(a!) out, Tensor? residual, "
       "Tensor(b!)? residual_out, Tensor? weight, float eps, int rank, int epoch, int algo, "
-      "int timeout_ms=60000) -> ()");
+      "int timeout_ms=60000, int max_blocks=64) -> ()");
   m.def("symm_barrier(Tensor pad_ptrs, int rank, int channel, int block, int epoch, "
         "int timeout_ms=60000) -> ()");
   // Host-side helpers: one kernel for every dispatch key (they take no tensor or a CPU handle).

@@ -58,15 +58,17 @@ PYFUSED_HD int64_t seg_begin(int64_t rows, int world, int s) {
   return b < rows ? b : rows;
 }
 
-// The grid: a pure function of (rows, world, algo), so every rank launches the same blocks and block
+// The grid: a pure function of (rows, world, algo, max_blocks), so every rank launches the same blocks and block
 // b of one rank meets block b of every peer at each barrier. Block b handles rows first + b, first +
 // b + G, ... of every row range it walks (all rows for one-shot; each segment for two-shot), in both
 // phases, so that a block only ever reads rows that the same-numbered block of the writer wrote
-// before the barrier they share.
-PYFUSED_HD int launch_blocks(int64_t rows, int world, int algo) {
+// before the barrier they share. max_blocks (<= kMaxBlocks; the same on every rank) caps the grid:
+// ranks that share one GPU each get a share of its SMs (virtual ranks).
+PYFUSED_HD int launch_blocks(int64_t rows, int world, int algo, int max_blocks) {
   const int64_t span = algo == kTwoShot ? seg_rows(rows, world) : rows;
+  const int64_t cap = max_blocks < kMaxBlocks ? max_blocks : kMaxBlocks;
   if (span < 1) return 1;
-  return span < kMaxBlocks ? static_cast<int>(span) : kMaxBlocks;
+  return static_cast<int>(span < cap ? span : cap);
 }
 
 }  // namespace symm
@@ -82,7 +84,7 @@ void check_all_reduce_args(const at::Tensor& buffer_ptrs, const at::Tensor& pad_
                            const at::Tensor& out, const std::optional<at::Tensor>& residual,
                            const std::optional<at::Tensor>& residual_out,
                            const std::optional<at::Tensor>& weight, int64_t rank, int64_t epoch,
-                           int64_t algo, int64_t timeout_ms);
+                           int64_t algo, int64_t timeout_ms, int64_t max_blocks);
 void check_barrier_args(const at::Tensor& pad_ptrs, int64_t rank, int64_t channel, int64_t block,
                         int64_t epoch, int64_t timeout_ms);
 

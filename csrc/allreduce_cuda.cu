@@ -115,6 +115,7 @@ struct Params {
   int world;
   int32_t epoch;
   int algo;
+  int max_blocks;
   uint64_t timeout_ns;
 };
 
@@ -241,7 +242,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 template <typename T, int VEC>
 void launch(const Params& p, cudaStream_t stream) {
-  const int grid = launch_blocks(p.rows, p.world, p.algo);
+  const int grid = launch_blocks(p.rows, p.world, p.algo, p.max_blocks);
   const int64_t packs = (p.cols + VEC - 1) / VEC;
   int threads = static_cast<int>(((packs < 1024 ? packs : 1024) + 31) / 32 * 32);
   threads = threads < 32 ? 32 : threads;
@@ -253,9 +254,9 @@ void all_reduce_rows_cuda(const at::Tensor& buffer_ptrs, const at::Tensor& pad_p
                           const std::optional<at::Tensor>& residual,
                           const std::optional<at::Tensor>& residual_out,
                           const std::optional<at::Tensor>& weight, double eps, int64_t rank,
-                          int64_t epoch, int64_t algo, int64_t timeout_ms) {
+                          int64_t epoch, int64_t algo, int64_t timeout_ms, int64_t max_blocks) {
   check_all_reduce_args(buffer_ptrs, pad_ptrs, out, residual, residual_out, weight, rank, epoch, algo,
-                        timeout_ms);
+                        timeout_ms, max_blocks);
   c10::cuda::CUDAGuard guard(out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   Params p;
@@ -273,6 +274,7 @@ void all_reduce_rows_cuda(const at::Tensor& buffer_ptrs, const at::Tensor& pad_p
   p.epoch = static_cast<int32_t>(epoch);
   p.algo = static_cast<int>(algo);
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  p.max_blocks = static_cast<int>(max_blocks < kMaxBlocks ? max_blocks : kMaxBlocks);
   if (p.rows == 0 || p.cols == 0) return;
   // 16-byte packs need every row start aligned: peers' buffers are allocation-aligned and rows are
   // cols elements apart; the local tensors are checked. Otherwise one element per access.

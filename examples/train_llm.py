@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 examples/train_llm.py --tp 2 --steps 50
     torchrun --nproc-per-node 4 examples/train_llm.py --dp 2 --pp 2 --model gpt2
     torchrun --nproc-per-node 2 examples/train_llm.py --tp 2 --ckpt-dir ckpt --save-every 20
-    torchrun --nproc-per-node 2 examples/train_llm.py --tp 2 --ckpt-dir ckpt --resume --steps 100
+    torchrun --nproc-per-node 2 examples/train_llm.py --tp 2 --ckpt-dir ckpt --steps 100   # resumes
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train_llm.py --dp 2 --tp 2 --ckpt-dir ckpt \
+        --save-every 20 --steps 200                                          # elastic: survives a lost rank
 
 The model is built from a small config with random weights (Llama or GPT-2 from transformers;
 nothing is downloaded). Data: synthetic "counting" sequences (x_t = a + t*d mod V, a and d random per
@@ -15,11 +17,20 @@ Runs on CUDA with NCCL when GPUs are visible (one per local rank), else on CPU w
 the mesh, then loss (mean over dp ranks), tokens/s and step time every ``--log-every`` steps; with
 ``--metrics-file`` it also writes one JSON line per step.
 
-Checkpoints: ``<ckpt-dir>/step_<N>/rank<R>.pt`` holds each rank's model shard, optimizer state and
-step; ``<ckpt-dir>/latest`` names the newest complete one (written by rank 0 after every rank saved).
-``--resume`` continues from ``latest`` (or ``--resume step_<N>``) on the same mesh; ``--export`` writes
-the full model's state dict (``ParallelModel.full_state_dict()``), which loads into the original
-transformers model -- or, with ``--init-from``, into a run on any other mesh.
+Checkpoints (``--ckpt-dir``, ``--save-every``) are torch.distributed.checkpoint (DCP) directories,
+``<ckpt-dir>/step_<N>/``, written by every rank in parallel (its own shards of the model and of the
+optimizer state, keyed by the original model's names: pyfused/parallelize/checkpoint.py). Rank 0
+writes ``step_<N>/COMPLETE`` only after DCP's save returned on every rank, so a checkpoint that was
+being written when a rank died is never taken for a complete one. At start the script resumes from
+the newest complete checkpoint (``--resume auto``, the default), on any mesh: DCP reshards. So under
+``torchrun --max-restarts N`` a run whose rank dies is restarted by torchrun and goes on from its last
+checkpoint; batches are a pure function of the step, so its losses are the uninterrupted run's.
+``--export`` writes the full model's state dict (``ParallelModel.full_state_dict()``), which loads
+into the original transformers model -- or, with ``--init-from``, into a run on any other mesh.
+
+For tests, ``TRAIN_LLM_FAULT=RANK:STEP:WHERE[,...]`` makes that rank SIGKILL itself once (a file in
+the checkpoint directory records that it did) at that step: ``train`` after the backward, ``save`` inside
+DCP's write of that step's checkpoint, after its own shards are on disk.
 """
 from __future__ import annotations
 
@@ -27,6 +38,8 @@ import argparse
 import datetime
 import json
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -59,8 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--metrics-file", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--save-every", type=int, default=0, help="also save at the last step when set")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from <ckpt-dir>/latest, or from the named step_<N> folder")
+    p.add_argument("--resume", nargs="?", const="latest", default="auto",
+                   help="'auto' (default): from the newest complete checkpoint in --ckpt-dir if any; "
+                        "'latest': the same, but one must exist; 'none'; or a step_<N> folder")
     p.add_argument("--export", default=None, help="write the full state dict here at the end")
     p.add_argument("--init-from", default=None, help="start from a full state dict (any mesh)")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -75,9 +89,25 @@ def setup(timeout_s: float = 300.0):
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # NCCL for the tensors, gloo for pyfused's per-call input checks (no GPU sync; see README).
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo",
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", **attempt_store(),
                             timeout=datetime.timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def attempt_store() -> dict:
+    """Under torchrun, the rendezvous store seen through a prefix of this attempt's own.
+
+    torchrun's agent keeps one TCPStore for every restart of the worker group (unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so without a prefix a restarted group can read the dead
+    group's addresses from it and fail to connect, or wait on keys that are already stale.
+    TORCHELASTIC_RESTART_COUNT is the same on every worker of one agent (one node); on several
+    nodes, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for the agents instead."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return {}
+    store, rank, world = next(dist.rendezvous("env://"))
+    return {"store": dist.PrefixStore(f"train_llm/attempt_{attempt}", store), "rank": rank,
+            "world_size": world}
 
 
 def build_model(args, vocab: int, device):
@@ -124,34 +154,95 @@ class Batches:
         return ids, ids.clone()  # causal LM: labels = inputs (the model shifts them)
 
 
+COMPLETE = "COMPLETE"
+
+
+def complete_checkpoints(ckpt_dir) -> list:
+    """The step_<N> folders of ``ckpt_dir`` whose save finished on every rank, oldest first."""
+    root = Path(ckpt_dir)
+    found = [d for d in root.glob("step_*") if (d / COMPLETE).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda d: int(d.name.split("_")[1]))
+
+
+def checkpoint_to_resume(args, rank):
+    """The checkpoint folder to resume from (rank 0 decides, every rank gets its answer), or None."""
+    if args.resume not in ("auto", "latest", "none") and not args.ckpt_dir:
+        raise SystemExit(f"--resume {args.resume} needs --ckpt-dir")
+    choice = [None]
+    if rank == 0 and args.resume != "none" and args.ckpt_dir:
+        if args.resume in ("auto", "latest"):
+            done = complete_checkpoints(args.ckpt_dir)
+            choice[0] = str(done[-1]) if done else None
+        else:
+            folder = Path(args.ckpt_dir) / args.resume
+            choice[0] = str(folder) if (folder / COMPLETE).is_file() else f"!{folder}"
+    dist.broadcast_object_list(choice, src=0)
+    folder = choice[0]
+    if folder is not None and folder.startswith("!"):
+        raise SystemExit(f"{folder[1:]} is not a complete checkpoint (no {COMPLETE} marker)")
+    if folder is None and args.resume == "latest":
+        raise SystemExit(f"--resume latest: no complete checkpoint in {args.ckpt_dir}")
+    return folder
+
+
 def save_checkpoint(args, step, pm, opt, rank, mesh_sizes):
+    from pyfused.parallelize import checkpoint
+
     folder = Path(args.ckpt_dir) / f"step_{step:06d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "mesh": mesh_sizes, "model": pm.module.state_dict(),
-             "optim": opt.state_dict(), "rng": torch.get_rng_state()}
-    tmp = folder / f"rank{rank:05d}.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(folder / f"rank{rank:05d}.pt")
-    dist.barrier()  # every shard is on disk before ``latest`` names the step
+    # a folder of this step is from a save that did not finish (else this run resumed from it), or
+    # from a run this one replaces (--resume none, or an older step_<N>)
+    if rank == 0 and folder.exists():
+        shutil.rmtree(folder)
+    dist.barrier()
+    checkpoint.save(folder, pm, opt, extra={"step": step, "mesh": list(mesh_sizes)},
+                    storage_writer=_writer(args, folder, step, rank))
+    dist.barrier()  # DCP's save returned on every rank: every shard and the metadata are on disk
     if rank == 0:
-        latest = Path(args.ckpt_dir) / "latest.tmp"
-        latest.write_text(folder.name)
-        latest.replace(Path(args.ckpt_dir) / "latest")
+        marker = folder / (COMPLETE + ".tmp")
+        with open(marker, "w") as f:
+            f.write(json.dumps({"step": step, "mesh": list(mesh_sizes)}))
+            f.flush()
+            os.fsync(f.fileno())
+        marker.replace(folder / COMPLETE)
 
 
-def load_checkpoint(args, pm, opt, rank, mesh_sizes) -> int:
-    name = args.resume
-    if name == "latest":
-        name = (Path(args.ckpt_dir) / "latest").read_text().strip()
-    state = torch.load(Path(args.ckpt_dir) / name / f"rank{rank:05d}.pt", weights_only=False)
-    if tuple(state["mesh"]) != tuple(mesh_sizes):
-        raise SystemExit(f"checkpoint {name} was written on mesh (dp, pp, tp) = {tuple(state['mesh'])}, "
-                         f"this run has {tuple(mesh_sizes)}: resume on the same mesh, or export a full "
-                         f"state dict (--export) and start from it (--init-from)")
-    pm.module.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])
+def load_checkpoint(folder, pm, opt) -> int:
+    from pyfused.parallelize import checkpoint
+
+    extra = checkpoint.load(folder, pm, opt, extra={"step": 0, "mesh": []})
+    return int(extra["step"])
+
+
+# ---- fault injection for the tests (TRAIN_LLM_FAULT=RANK:STEP:WHERE[,...]) ---------------------------
+def _fault(args, rank, step, where) -> bool:
+    wanted = os.environ.get("TRAIN_LLM_FAULT", "").split(",")
+    spec = f"{rank}:{step}:{where}"
+    if spec not in wanted or not args.ckpt_dir:
+        return False
+    try:  # only once: the restarted run finds the record and goes on
+        os.close(os.open(Path(args.ckpt_dir) / f"fault-{spec.replace(':', '-')}",
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _die(rank, step, where):
+    print(f"rank {rank}: killing itself ({where}, step {step}) as TRAIN_LLM_FAULT asks", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _writer(args, folder, step, rank):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class DyingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            done = super().write_data(plan, planner)
+            done.wait()  # this rank's shards are on disk; DCP has not finished the checkpoint
+            _die(rank, step, "save")
+            return done
+
+    return DyingWriter(folder) if _fault(args, rank, step, "save") else FileSystemWriter(folder)
 
 
 def main(argv=None):
@@ -178,12 +269,14 @@ def main(argv=None):
         pm.load_full_state_dict(torch.load(args.init_from, map_location=device))
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.0)
     mesh_sizes = (dp, args.pp, args.tp)
-    step = load_checkpoint(args, pm, opt, rank, mesh_sizes) if args.resume else 0
+    resume_from = checkpoint_to_resume(args, rank)
+    step = load_checkpoint(resume_from, pm, opt) if resume_from else 0
     if rank == 0:
         print(f"mesh dp={dp} x pp={args.pp} x tp={args.tp} (world {world}, {dist.get_backend()} on "
               f"{device.type}), sequence_parallel={not args.no_sp and args.tp > 1}; {args.model} with "
               f"{n_params / 1e6:.2f}M parameters, batch {args.batch} x {args.seq}; "
-              f"{'resumed at' if args.resume else 'starting at'} step {step}", flush=True)
+              f"{'resumed at' if resume_from else 'starting at'} step {step}"
+              f"{f' from {resume_from}' if resume_from else ''}", flush=True)
     dp_group = mesh.get_group("dp")
     metrics = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
     pm.train()
@@ -194,6 +287,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         out = pm(input_ids=ids, labels=labels)
         pm.backward(out.loss)  # loss.backward(); with pp > 1 the call already ran the backward
+        if _fault(args, rank, step, "train"):
+            _die(rank, step, "train")
         grad_norm = pm.clip_grad_norm_(args.clip) if args.clip > 0 else None  # the full model's norm
         opt.step()
         loss = out.loss.detach().float().clone()

@@ -37,9 +37,10 @@ Wait (consumer half of all-gather + GEMM), WAIT=True
   The writer must not need SMs this kernel holds (persistent programs that spin keep their SMs):
   peers' kernels, copy engines and the host are fine; a kernel queued on another stream of the same
   GPU behind this one may never get an SM.
-  No hang: a spin gives up after ``spin_limit`` polls; the program then records ``1 + c`` in
-  ``status[0]`` (first timeout wins, atomic compare-and-swap) and computes the tile from whatever A
-  holds; every later tile of every program sees ``status[0] != 0`` and stops waiting. The launcher
+  No hang: a spin gives up after ``timeout_ns`` of wall-clock time on a GPU (``%globaltimer``, read
+  in inline PTX; WALL_CLOCK=True), or after ``spin_limit`` polls in the interpreter; the program
+  then records ``1 + c`` in ``status[0]`` (first timeout wins, atomic compare-and-swap) and
+  computes the tile from whatever A holds; every later tile of every program sees ``status[0] != 0`` and stops waiting. The launcher
   turns a non-zero status into an error (``pyfused.ops.gemm.raise_on_timeout``).
 
 Signal (producer half of GEMM + reduce-scatter / all-reduce), SIGNAL=True
@@ -63,18 +64,64 @@ import triton
 import triton.language as tl
 
 
+# A bounded spin in one asm block, run by every thread of the program: acquire-poll the flag until it
+# is >= expected or ``timeout_ns`` of wall-clock time (%globaltimer, ns) have passed; the last value
+# seen. Time, not a poll count: with ranks sharing one GPU a poll may wait a whole time slice, so a
+# count says nothing about how long a wait took. Labels live inside the braces, so each inlined copy
+# has its own.
+_SPIN_ASM = """{{
+.reg .pred %spin_p<2>;
+.reg .u64 %spin_t<2>;
+mov.u64 %spin_t0, %globaltimer;
+SPIN_{scope}:
+ld.acquire.{scope}.global.b32 $0, [$1];
+setp.ge.s32 %spin_p0, $0, $2;
+@%spin_p0 bra DONE_{scope};
+mov.u64 %spin_t1, %globaltimer;
+sub.u64 %spin_t1, %spin_t1, %spin_t0;
+setp.lt.u64 %spin_p1, %spin_t1, $3;
+@%spin_p1 bra SPIN_{scope};
+DONE_{scope}:
+}}"""
+_SPIN_SYS = tl.constexpr(_SPIN_ASM.format(scope="sys"))
+_SPIN_GPU = tl.constexpr(_SPIN_ASM.format(scope="gpu"))
+
+
 @triton.jit
-def wait_flag(flag_ptr, expected, status_ptr, spin_limit, timeout_code, SCOPE: tl.constexpr):
-    """Spin (bounded) until ``*flag_ptr >= expected`` with acquire semantics, then barrier the
-    program. Records ``timeout_code`` in ``*status_ptr`` if it gives up. Shared with reduce.py."""
-    # The status word is read by one thread and broadcast (Triton lowers a scalar atomic that way),
-    # so every thread of the program takes the same branch: the barriers inside must not diverge.
+def _spin_until(flag_ptr, expected, timeout_ns, SCOPE: tl.constexpr):
+    # The asm's operand widths are fixed: a 32-bit flag value, a 64-bit time (a launch may pass
+    # either width: the JIT types small ints as i32).
+    expected = expected.to(tl.int32)
+    timeout_ns = timeout_ns.to(tl.int64)
+    if SCOPE == "sys":
+        seen = tl.inline_asm_elementwise(_SPIN_SYS, "=r,l,r,l", [flag_ptr, expected, timeout_ns],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.inline_asm_elementwise(_SPIN_GPU, "=r,l,r,l", [flag_ptr, expected, timeout_ns],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    return seen
+
+
+@triton.jit
+def wait_flag(flag_ptr, expected, status_ptr, spin_limit, timeout_ns, timeout_code,
+              SCOPE: tl.constexpr, WALL_CLOCK: tl.constexpr):
+    """Wait until ``*flag_ptr >= expected`` with acquire semantics, then barrier the program.
+    Bounded: by ``timeout_ns`` of wall-clock time on a GPU (WALL_CLOCK), by ``spin_limit`` polls in
+    the interpreter (which has no clock and runs programs one after another). Records
+    ``timeout_code`` in ``*status_ptr`` if it gives up. Shared with reduce.py."""
+    # The status word and the flag's final value are read by one thread and broadcast (Triton lowers
+    # a scalar atomic that way), so every thread of the program takes the same branch: the barriers
+    # inside must not diverge. The timed spin itself is per thread and holds no barrier.
     if tl.atomic_add(status_ptr, 0, sem="relaxed", scope="gpu") == 0:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
-        spins = 0
-        while (seen < expected) & (spins < spin_limit):
+        if WALL_CLOCK:
+            _spin_until(flag_ptr, expected, timeout_ns, SCOPE)
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
-            spins += 1
+        else:
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+            spins = 0
+            while (seen < expected) & (spins < spin_limit):
+                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+                spins += 1
         if seen < expected:
             tl.atomic_cas(status_ptr, 0, timeout_code, sem="relaxed")
     tl.debug_barrier()
@@ -100,17 +147,18 @@ def chunk_tile(tile_id, tiles_per_chunk, tiles_m, tiles_n, order_ptr, HAS_ORDER:
 
 # The epoch changes every call: specializing on it (1, multiples of 16) would recompile the
 # kernel at calls 1, 2 and 16 of a run.
-@triton.jit(do_not_specialize=["wait_expected", "spin_limit"])
+@triton.jit(do_not_specialize=["wait_expected", "spin_limit", "timeout_ns"])
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, out_table_ptr,
     flags_ptr, counters_ptr, order_ptr, status_ptr,
     M, N, K, chunk_rows, num_chunks,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    wait_expected, spin_limit,
+    wait_expected, spin_limit, timeout_ns,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, SCATTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_ORDER: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED_OUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FLAG_SCOPE: tl.constexpr, SIGNAL_SCOPE: tl.constexpr,
+    WALL_CLOCK: tl.constexpr,
 ):
     """``C[chunk rows] = A[chunk rows] @ B (+ bias)`` tile by tile; see the module docstring."""
     out_ty = c_ptr.dtype.element_ty
@@ -139,7 +187,8 @@ def persistent_gemm_kernel(
         b_cols = tl.max_contiguous(tl.multiple_of(b_cols, BLOCK_N), BLOCK_N).to(tl.int64)
 
         if WAIT:
-            wait_flag(flags_ptr + chunk, wait_expected, status_ptr, spin_limit, chunk + 1, FLAG_SCOPE)
+            wait_flag(flags_ptr + chunk, wait_expected, status_ptr, spin_limit, timeout_ns, chunk + 1,
+                      FLAG_SCOPE, WALL_CLOCK)
 
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn

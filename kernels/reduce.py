@@ -21,14 +21,18 @@ Layout
   into ``num_chunks`` chunks of ``chunk_rows = ceil(M / num_chunks)`` rows, as in kernels/gemm.py.
 
 Schedule
-  One program per tile: a tile is ``rows_per_prog`` rows of one chunk by BLOCK_N columns (a whole
-  row with RMSNorm); tiles are numbered chunk-major in the order ``order[...]`` (identity without an
-  order table) and the program steps over its rows BLOCK_M at a time.
+  A tile is ``rows_per_prog`` rows of one chunk by BLOCK_N columns (a whole row with RMSNorm); tiles
+  are numbered chunk-major in the order ``order[...]`` (identity without an order table). ``grid =
+  (P,)`` persistent programs take tiles ``pid, pid + P, ...`` and step over a tile's rows BLOCK_M at
+  a time. The grid is capped by the launcher (``num_programs``): programs that spin on flags hold
+  their SMs, so a reduce with one program per tile could fill the GPU and starve the kernels that
+  set those flags (a peer's GEMM under virtual ranks, this rank's own signal kernels).
 
 Wait, WAIT=True
   Before reading source p in chunk c, the program spins (one thread, acquire at FLAG_SCOPE, bounded
   by ``spin_limit`` polls) until ``flags[p * flag_stride_p + c] >= expected`` and then passes a
-  CTA barrier, as in kernels/gemm.py's ``wait_flag``: the writer of src_p's chunk c stores the data,
+  CTA barrier, as in kernels/gemm.py's ``wait_flag`` (bounded by ``timeout_ns`` of wall-clock time on
+  a GPU, by ``spin_limit`` polls in the interpreter): the writer of src_p's chunk c stores the data,
   then releases the flag; acquire + barrier order those stores before every load of the program.
   ``flag_stride_p = 0`` gives one flag per chunk for all sources, ``num_chunks`` gives one per
   (source, chunk). A timeout records ``1 + p * num_chunks + c`` in ``status[0]`` (first one wins);
@@ -43,32 +47,45 @@ from .gemm import chunk_tile, wait_flag
 
 # The epoch changes every call: specializing on it (1, multiples of 16) would recompile the
 # kernel at calls 1, 2 and 16 of a run.
-@triton.jit(do_not_specialize=["wait_expected", "spin_limit"])
+@triton.jit(do_not_specialize=["wait_expected", "spin_limit", "timeout_ns"])
 def multi_source_reduce_kernel(
     src_table_ptr, out_ptr, residual_ptr, res_out_ptr, weight_ptr,
     flags_ptr, order_ptr, status_ptr,
     M, N, chunk_rows, num_chunks, rows_per_prog,
     stride_src, stride_out, stride_res, stride_res_out,
-    flag_stride_p, wait_expected, spin_limit, eps,
+    flag_stride_p, wait_expected, spin_limit, timeout_ns, eps,
     P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WAIT: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr, RMSNORM: tl.constexpr, ALIGNED_SRC: tl.constexpr,
-    FLAG_SCOPE: tl.constexpr,
+    FLAG_SCOPE: tl.constexpr, WALL_CLOCK: tl.constexpr,
 ):
-    """``out = epilogue(sum_p src_p (+ residual))`` over one tile; see the module docstring."""
+    """``out = epilogue(sum_p src_p (+ residual))``, tile by tile; see the module docstring."""
     src_ty = out_ptr.dtype.element_ty
     tiles_r = tl.cdiv(chunk_rows, rows_per_prog)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    chunk, tr, tn = chunk_tile(tl.program_id(0), tiles_r * tiles_n, tiles_r, tiles_n, order_ptr,
-                               HAS_ORDER, 1)
-    if WAIT:
-        for p in tl.static_range(P):
-            wait_flag(flags_ptr + p * flag_stride_p + chunk, wait_expected, status_ptr, spin_limit,
-                      1 + p * num_chunks + chunk, FLAG_SCOPE)
+    num_tiles = num_chunks * tiles_r * tiles_n
+    for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        chunk, tr, tn = chunk_tile(tile_id, tiles_r * tiles_n, tiles_r, tiles_n, order_ptr,
+                                   HAS_ORDER, 1)
+        if WAIT:
+            for p in tl.static_range(P):
+                wait_flag(flags_ptr + p * flag_stride_p + chunk, wait_expected, status_ptr,
+                          spin_limit, timeout_ns, 1 + p * num_chunks + chunk, FLAG_SCOPE, WALL_CLOCK)
+        _reduce_tile(src_table_ptr, out_ptr, residual_ptr, res_out_ptr, weight_ptr, src_ty,
+                     chunk * chunk_rows, tr * rows_per_prog,
+                     tl.minimum(tr * rows_per_prog + rows_per_prog,
+                                tl.minimum(chunk_rows, M - chunk * chunk_rows)),
+                     tn, N, stride_src, stride_out, stride_res, stride_res_out, eps,
+                     P, BLOCK_M, BLOCK_N, HAS_RESIDUAL, WRITE_RESIDUAL, RMSNORM, ALIGNED_SRC)
 
-    chunk_start = chunk * chunk_rows
-    row_lo = tr * rows_per_prog
-    row_hi = tl.minimum(row_lo + rows_per_prog, tl.minimum(chunk_rows, M - chunk_start))
+
+@triton.jit
+def _reduce_tile(src_table_ptr, out_ptr, residual_ptr, res_out_ptr, weight_ptr, src_ty,
+                 chunk_start, row_lo, row_hi, tn, N, stride_src, stride_out, stride_res,
+                 stride_res_out, eps, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
+                 RMSNORM: tl.constexpr, ALIGNED_SRC: tl.constexpr):
+    """Rows [row_lo, row_hi) of the chunk starting at ``chunk_start``, column tile ``tn``."""
     cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if RMSNORM:

@@ -42,7 +42,10 @@ def choose_reduce_config(m: int, n: int, num_sources: int, dtype: torch.dtype, a
     chunk_rows = -(-m // num_chunks)
     block_m = min(block_m, _next_pow2(chunk_rows))
     tiles_n = -(-n // block_n)
-    # About 8 programs per SM: enough to hide latency, few enough that each waits once for many rows.
+    # About 8 tiles per SM: enough to hide latency, few enough that each waits once for many rows.
+    # The fused schedules cap the (persistent) grid lower, at one program per SM of their budget
+    # (pyfused/fused/config.py grid_budget): each program then walks several tiles. Whether that
+    # costs bandwidth against one program per tile is for a GPU run to measure.
     target = 8 * NOMINAL_SMS[arch]
     steps_per_chunk = -(-chunk_rows // block_m)
     steps_per_prog = max(1, -(-(num_chunks * steps_per_chunk * tiles_n) // target))

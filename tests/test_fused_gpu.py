@@ -1,5 +1,5 @@
-"""The fused method on a GPU (marked gpu; benchmarks/gpu_check.sh runs them at world sizes 1, 2 and
-4 on one GPU): the public ops with method="fused" against the unfused method, forward and backward;
+"""The fused method on a GPU (marked gpu; benchmarks/gpu_check.sh runs world size 1; larger worlds
+need PYFUSED_TEST_BACKEND=nccl and one GPU per rank -- on one GPU, tests/test_virtual_ranks.py): the public ops with method="fused" against the unfused method, forward and backward;
 the CUDA all-reduce's one-shot == two-shot bit for bit on every rank; torch.compile over the fused
 ops. The CPU models of the same kernels and schedules are in tests/test_fused.py.
 """
@@ -14,7 +14,7 @@ from tests.utils import rank_tensors
 
 def _need_nccl_pool(world):
     if world > 1 and "nccl" not in os.environ.get("PYFUSED_TEST_BACKEND", "gloo"):
-        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh sets it)")
+        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl")
 
 
 GPU_OPS = {  # op: (a shape per rank, n) -- odd K and N, and a size above the one-shot limit

@@ -44,6 +44,7 @@ def _flags(n, value=1, device="cpu"):
     return torch.full((n,), value, dtype=torch.int32, device=device)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -54,6 +55,7 @@ def test_plain_odd_shape(dtype, b_layout, with_bias):
     assert_close(gemm(a, b, bias, b_layout=b_layout), gemm_ref(a, b, bias, b_layout), dtype)
 
 
+@pytest.mark.interpreter
 def test_strided_inputs_and_out_dtype():
     """a and b as transposed views (no copy), fp16 inputs into an fp32 output."""
     a_t, b_t, bias = _inputs(70, 45, 33, torch.float16, seed=2)
@@ -70,6 +72,7 @@ OPTIONS = list(itertools.product([False, True], repeat=3))  # (wait, signal, sca
 
 @pytest.mark.parametrize("wait,signal,scatter", OPTIONS,
                          ids=[f"wait{int(w)}-signal{int(s)}-scatter{int(x)}" for w, s, x in OPTIONS])
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_options(wait, signal, scatter, dtype):
     """Every option alone and combined; 97 rows in 3 chunks of 33, 33, 31; chunk order 2, 0, 1."""
@@ -96,6 +99,7 @@ def test_options(wait, signal, scatter, dtype):
         assert counters.tolist() == [5 + plan.tiles_per_chunk] * chunks
 
 
+@pytest.mark.interpreter
 def test_all_options_odd_shape_fp32():
     """All options at once on the large odd shape, B as [K, N], 4 uneven chunks (25, 25, 25, 22)."""
     m, k, n, chunks = 97, 1025, 259, 4
@@ -111,6 +115,7 @@ def test_all_options_odd_shape_fp32():
     assert counters.tolist() == [plan.tiles_per_chunk] * chunks
 
 
+@pytest.mark.interpreter
 def test_chunk_order_is_the_schedule():
     """The first tile computed belongs to chunk_order[0]: with no flag set, that chunk's wait is the
     one that times out (bounded spin, no hang), and the error names it."""
@@ -123,6 +128,7 @@ def test_chunk_order_is_the_schedule():
         assert status.item() == order[0] + 1
 
 
+@pytest.mark.interpreter
 def test_wait_timeout_computes_the_rest():
     """Only chunk 1's flag is missing: the timeout is reported, and the chunks whose flags were set
     (all of them hold valid data here) are still computed."""
@@ -134,6 +140,7 @@ def test_wait_timeout_computes_the_rest():
     assert_close(out, gemm_ref(a, b), torch.float16)
 
 
+@pytest.mark.interpreter
 def test_raw_address_table_and_expected_epoch():
     """Scatter through a table of raw addresses (as for peers' buffers); flags compared with >=."""
     m, k, n = 12, 20, 9
@@ -146,6 +153,7 @@ def test_raw_address_table_and_expected_epoch():
     assert_close(store.reshape(m, n), gemm_ref(a, b), torch.float32)
 
 
+@pytest.mark.interpreter
 def test_invalid_arguments():
     a, b, _ = _inputs(9, 8, 4, torch.float32, seed=8)
     cases = [
@@ -208,6 +216,7 @@ def aot_compile(kernel, cc, constexprs, types, aligned, num_warps, num_stages=3)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", verbose.stderr)]
     ops = re.findall(r"\b((?:ld|st|atom|cp\.async|wgmma\.mma_async|mma\.sync)[\w.:]*)", ptx)
     return {"shared": compiled.metadata.shared, "spill_stores": max(spills or [0]),
+            "globaltimer": "%globaltimer" in ptx,
             "ptxas_rc": verbose.returncode, "ops": sorted(set(ops)),
             "cp_async_16B": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10",
                                            ptx))}
@@ -234,7 +243,7 @@ def gemm_aot_summaries():
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             WAIT=options, SIGNAL=options, SCATTER=options, HAS_BIAS=options, HAS_ORDER=options,
             EVEN_K=True, ALIGNED_OUT=options, INPUT_PRECISION="ieee" if dt == "fp32" else "tf32",
-            FLAG_SCOPE="sys", SIGNAL_SCOPE="gpu",
+            FLAG_SCOPE="sys", SIGNAL_SCOPE="gpu", WALL_CLOCK=True,
             stride_ak=1, stride_bk=1, stride_cn=1)  # unit strides specialized as the JIT does; B a weight
         aligned = list(types) + ["N", "K", "stride_am", "stride_bn", "stride_cm"]
         s = aot_compile(persistent_gemm_kernel, cc, consts, types, aligned, cfg.num_warps,
@@ -270,6 +279,8 @@ def test_compiles_for_gpus():
         acquire = any(re.match(r"(ld|atom)\.global\.sys\.acquire", op) for op in s["ops"])
         release = any(re.match(r"atom\.global\.gpu\.release\.add", op) for op in s["ops"])
         assert acquire == s["options"] and release == s["options"], f"{what}: {s['ops']}"
+        # the wait is bounded by the wall clock (kernels/gemm.py "No hang"), not by a poll count
+        assert s["globaltimer"] == s["options"], what
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,10 +361,23 @@ def test_gpu_wait_for_late_chunks(arrival):
 
 
 @pytest.mark.gpu
-def test_gpu_wait_timeout_does_not_hang():
+@pytest.mark.parametrize("missing", [0, 1])
+def test_gpu_wait_timeout_does_not_hang(missing):
+    """Exactly one chunk's flag never comes, so the code recorded is that chunk's whichever program
+    times out first (with both flags missing, two programs would race to record theirs). The wait is
+    bounded in wall-clock time: the launch takes at least the timeout, and not much more."""
     a, b, _ = _inputs(256, 64, 64, torch.float16, seed=14, device="cuda")
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gemm(a, b, num_chunks=2, chunk_order=[1, 0], wait_flags=_flags(2, 0, "cuda"),
-         spin_limit=1000, status=status)
+    flags = _flags(2, 1, "cuda")
+    flags[missing] = 0
+    launch = dict(num_chunks=2, chunk_order=[1, 0], wait_flags=flags, status=status, timeout_ms=200)
+    gemm(a, b, **launch)  # compile first: the timed launch below is the kernel alone
     torch.cuda.synchronize()
-    assert status.item() == 2  # chunk 1, the first in the order
+    status.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    gemm(a, b, **launch)
+    end.record()
+    torch.cuda.synchronize()
+    assert status.item() == missing + 1
+    assert 200 <= start.elapsed_time(end) < 2000

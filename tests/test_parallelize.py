@@ -42,6 +42,42 @@ def build(family: str, seed: int = 0, **overrides):
         return tf.MistralForCausalLM(tf.MistralConfig(**common))
     if family == "qwen3":  # per-head q/k RMSNorm over head_dim
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=common["hidden_size"] // 8))
+    return build_family(tf, family, common, overrides)
+
+
+def build_family(tf, family: str, common: dict, overrides: dict):
+    """The families beyond the Llama core (tests/test_parallelize_families.py): hidden 64, 8 heads of 8
+    (partial rotary needs an even rotary width), dropout off; seq 12 > a sliding window of 4."""
+    cfg = dict(common, hidden_size=64, head_dim=8)
+    cfg.update(overrides)
+    window = dict(sliding_window=4)
+    if family == "phi3":  # fused qkv_proj (q wider than k, v) and gate_up_proj
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**{k: v for k, v in cfg.items() if k != "head_dim"},
+                                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                resid_pdrop=0.0, embd_pdrop=0.0))
+    if family == "gemma":  # scaled embedding, (1 + w) RMSNorm, tied head
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**cfg))
+    if family == "gemma2":  # + attention and final logit soft-capping, alternating sliding windows
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**cfg, **window, query_pre_attn_scalar=8,
+                                                    attn_logit_softcapping=5.0,
+                                                    final_logit_softcapping=3.0))
+    if family == "gemma3":  # + per-head q/k norms, a sliding and a full layer
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **cfg, **window, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"][:cfg["num_hidden_layers"]]))
+    if family == "olmo2":  # q/k RMSNorm over the whole projection width
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**{k: v for k, v in cfg.items() if k != "head_dim"},
+                                                  pad_token_id=0, eos_token_id=2))
+    if family == "gpt_neox":  # per-head interleaved query_key_value, parallel residual, partial rotary
+        cfg.pop("head_dim")
+        cfg.pop("num_key_value_heads")
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**cfg, rotary_pct=0.5, hidden_dropout=0.0,
+                                                      attention_dropout=0.0, pad_token_id=0,
+                                                      bos_token_id=1, eos_token_id=2))
+    if family == "stablelm":  # LayerNorm, partial rotary (a quarter of each head)
+        cfg.pop("head_dim")
+        return tf.StableLmForCausalLM(tf.StableLmConfig(**cfg, partial_rotary_factor=0.25,
+                                                        pad_token_id=0))
     raise ValueError(family)
 
 
@@ -152,3 +188,55 @@ def test_vocabulary_padded_when_tp_does_not_divide_it(ranks, family):
     cut back to 101; outputs, gradients and the gathered state dict equal the unpadded model's."""
     assert all(ranks.run(4, _tp_matches, family, [(False, "auto"), (True, "auto")],
                          {"vocab_size": VOCAB + 1}, timeout=300))
+
+
+def _report(rank, world):
+    """The report names each module's style and what it became, and the op methods the first call
+    ran: chosen by the ops under overlap="auto" (unfused at this tiny size, with the op's reason),
+    as requested otherwise; recording them emits nothing to the user's handlers."""
+    import contextlib
+    import io
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("pyfused").addHandler(handler)
+    ids, labels = batch()
+    results = {}
+    for overlap in ("auto", "decomposed"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            pm = pyfused.parallelize(build("llama"), mesh, overlap=overlap, verbose=True)
+            before = pm.report()
+            pm(input_ids=ids, labels=labels).loss.backward()
+        rows = {m.name: m for m in pm.report().modules}
+        results[overlap] = (str(before), {n: (m.style, m.module, m.op, m.method, m.why) for n, m in rows.items()},
+                            pm.report().methods(), printed.getvalue())
+    logging.getLogger("pyfused").removeHandler(handler)
+    results["debug records emitted"] = [r.getMessage() for r in seen if r.levelno < logging.WARNING]
+    return results
+
+
+def test_report_lists_styles_and_methods(ranks):
+    got = ranks.run(2, _report, timeout=240)
+    auto, dec = got[0]["auto"], got[0]["decomposed"]
+    assert "not called yet" in auto[0]
+    gate = auto[1]["model.layers.0.mlp.gate_proj"]
+    assert gate[:4] == ("colwise", "SequenceParallelColumn", "all_gather_matmul", "unfused"), gate
+    assert "below" in gate[4], gate  # the op's own reason: the GEMM is below the chunking size
+    down = auto[1]["model.layers.1.mlp.down_proj"]
+    assert down[:4] == ("rowwise", "SequenceParallelRow", "matmul_reduce_scatter", "unfused"), down
+    assert auto[1]["model.layers.0.self_attn.q_proj"][1:3] == ("LocalInputColumn", None)
+    assert auto[1]["model.embed_tokens"][1] == "VocabParallelEmbedding"
+    assert auto[1]["model.layers.0.input_layernorm"][0] == "sequence_parallel"
+    assert auto[2] == {"unfused": 8}  # per layer: gate, up (all_gather_matmul), o, down (reduce-scatter)
+    assert dec[1]["model.layers.1.mlp.down_proj"][3:] == ("decomposed", "requested")
+    # verbose: printed on global rank 0 only, before and after the first call
+    assert got[0]["auto"][3].count("pyfused.parallelize: mesh") == 2 and got[1]["auto"][3] == ""
+    assert got[0]["debug records emitted"] == [] and got[1]["debug records emitted"] == []

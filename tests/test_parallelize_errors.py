@@ -24,6 +24,51 @@ def _llama_plan():
     return llama_plan("model.", has_lm_head=True)
 
 
+class _DoubledEmbedding(nn.Embedding):
+    """An nn.Embedding subclass whose forward adds something (as Gemma's scaled embedding does)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+class _ClampedLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x).clamp(-1, 1)
+
+
+def _with_module(name, make):
+    def builder(rank, world):
+        model = build("llama")
+        old = model.get_submodule(name)
+        new = make(old)
+        new.load_state_dict(old.state_dict())
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+        return model
+    return builder
+
+
+def _weights_differ(rank, world):
+    """Rank 3 (the only rank that shares no mesh-dim group with rank 0 on a 2 x 2 mesh) holds
+    different values of one tensor: as a checkpoint loaded on some ranks only."""
+    model = build("llama")
+    if rank == 3:
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-3
+    return model
+
+
+def _gpt_neox(rank, world):
+    return build("gpt_neox")
+
+
+def _neox_plan_as_qkv():
+    from pyfused.parallelize import auto_plan
+
+    plan = auto_plan(_gpt_neox(0, 1))
+    return {**plan, "gpt_neox.layers.*.attention.query_key_value": "colwise_qkv"}
+
+
 CASES = {
     # case: (model builder, mesh shape/names, parallelize kwargs, expected words in the message)
     "unknown_arch": (_unknown_arch, {}, "plan='auto' does not know OPTForCausalLM"),
@@ -48,6 +93,21 @@ CASES = {
     # on a 2-D mesh the verdict travels along both dims: rank 3 shares no dim group with rank 0
     "differs_2d": (lambda r, w: build("gpt2", n_inner=52 + 4 * (r == 3)), {"mesh": ((2, 2), ("dp", "tp"))},
                    "the model, the mesh or the options differ between ranks"),
+    # a forward-overriding subclass would lose its behaviour in the replacement (Gemma's scale is kept
+    # by the embedding style: tests/test_parallelize_families.py)
+    "embedding_subclass": (_with_module("model.embed_tokens", lambda m: _DoubledEmbedding(
+        m.num_embeddings, m.embedding_dim, m.padding_idx)), {},
+        "'model.embed_tokens' is a _DoubledEmbedding, a subclass of nn.Embedding whose forward differs"),
+    "linear_subclass": (_with_module("model.layers.1.mlp.up_proj", lambda m: _ClampedLinear(
+        m.in_features, m.out_features, bias=False)), {},
+        "'model.layers.1.mlp.up_proj' is a _ClampedLinear, a subclass of nn.Linear whose forward differs"),
+    # weights that differ between ranks: named on every rank, also across the dims of a 2-D mesh
+    "weights_differ": (_weights_differ, {},
+                       "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
+    "weights_differ_2d": (_weights_differ, {"mesh": ((2, 2), ("dp", "tp"))},
+                          "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
+    # GPT-NeoX's query_key_value interleaves q, k, v per head: [q|k|v] thirds would be wrong
+    "interleaved_qkv": (_gpt_neox, {"plan": "neox_qkv"}, "gpt_neox's fused projection interleaves q, k and v per head"),
     "pp_too_deep": (lambda r, w: build("gpt2", n_layer=1), {"mesh": ((4,), ("pp",))},
                     "pp=4 stages but the model has only 3 pipeline units"),
 }
@@ -62,6 +122,8 @@ def _bad_parallelize(rank, world, case):
     builder, kwargs, _ = CASES[case]
     kwargs = dict(kwargs)
     shape, names = kwargs.pop("mesh", ((world,), ("tp",)))
+    if kwargs.get("plan") == "neox_qkv":
+        kwargs["plan"] = _neox_plan_as_qkv()
     model = builder(rank, world)
     linears_before = sum(isinstance(m, nn.Linear) for m in model.modules())
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -125,3 +187,30 @@ def test_bad_mesh_and_inputs(ranks):
     assert "token ids must lie in [0, 100)" in got[0][2]
     assert "output_attentions is not supported with tensor parallelism" in got[0][3]
     assert "output_hidden_states is not supported with sequence parallelism" in got[0][4]
+
+
+def _weights_differ_on_purpose(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = pyfused.parallelize(_weights_differ(rank, world), mesh, check_weights=False)
+    return type(pm).__name__
+
+
+def test_weights_check_can_be_skipped(ranks):
+    assert ranks.run(4, _weights_differ_on_purpose, timeout=120) == ["ParallelModel"] * 4
+
+
+def test_gemma_under_the_llama_plan():
+    """A Llama plan a user writes for Gemma is what plan="auto" applies to it (so the families test
+    covers it): its scaled embedding is a known one, whose scale the vocab-parallel embedding keeps."""
+    from pyfused.parallelize import auto_plan, llama_plan
+    from pyfused.parallelize.embedding import embedding_scale
+    from pyfused.parallelize.plans import resolve
+
+    model = build("gemma")
+    assert auto_plan(model) == llama_plan("model.", has_lm_head=True)
+    resolve(model, llama_plan("model.", has_lm_head=True))
+    assert float(embedding_scale(model.model.embed_tokens)) == pytest.approx(64 ** 0.5)

@@ -35,6 +35,7 @@ def _weight(n, dtype, seed, device="cpu"):
 EPILOGUES = ["sum", "residual", "residual_rmsnorm", "residual_rmsnorm_inplace", "rmsnorm"]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("p", [1, 3])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -55,6 +56,7 @@ def test_epilogues(epilogue, p, dtype):
         assert_close(residual_out, ref_h, dtype, name="residual_out")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("per_source_flags", [False, True], ids=["flag_per_chunk", "flag_per_source"])
 @pytest.mark.parametrize("order", [None, [2, 0, 3, 1]], ids=["order_id", "order_2031"])
 def test_wait_and_chunk_order(per_source_flags, order):
@@ -74,6 +76,7 @@ def test_wait_and_chunk_order(per_source_flags, order):
     assert_close(res_out, ref_h, torch.float16)
 
 
+@pytest.mark.interpreter
 def test_column_tiles_without_norm():
     """Without RMSNorm a row is cut into several column tiles (block_n < N)."""
     srcs = _rows(2, 33, 1000, torch.float32, seed=8)
@@ -82,6 +85,7 @@ def test_column_tiles_without_norm():
     assert_close(out, reduce_ref(srcs)[0], torch.float32)
 
 
+@pytest.mark.interpreter
 def test_wait_timeout_names_source_and_chunk():
     """Source 1's chunk 2 never arrives: a bounded spin, then WaitTimeout naming it."""
     p, chunks = 3, 3
@@ -96,6 +100,7 @@ def test_wait_timeout_names_source_and_chunk():
         multi_source_reduce(srcs, num_chunks=chunks, wait_flags=flags)
 
 
+@pytest.mark.interpreter
 def test_pointer_table_of_stacked_strided_sources():
     """Sources as row-strided views into one stacked buffer (stride 80 > N = 64), through a raw
     address table: the interpreter follows int64 host addresses loaded from the table."""
@@ -108,6 +113,7 @@ def test_pointer_table_of_stacked_strided_sources():
     assert_close(out, stacked[:, :, :64].sum(0), torch.float32)
 
 
+@pytest.mark.interpreter
 def test_pointer_table_reads_the_live_buffers():
     """The table holds addresses, not copies: writing a source after building the table changes
     the next result."""
@@ -118,6 +124,7 @@ def test_pointer_table_reads_the_live_buffers():
     assert_close(multi_source_reduce(table), first + 1.0, torch.float32)
 
 
+@pytest.mark.interpreter
 def test_invalid_arguments():
     srcs = _rows(2, 10, 16, torch.float32, seed=12)
     with pytest.raises(ValueError, match="share a shape"):
@@ -150,6 +157,36 @@ def test_broken_interpreter_is_named_not_hit(monkeypatch):
     with pytest.raises(RuntimeError, match="multi_source_reduce: interpreter is broken"):
         multi_source_reduce(_rows(2, 10, 16, torch.float32, seed=3))
 
+
+def test_interpreter_tests_are_skipped_where_it_cannot_run(monkeypatch):
+    """Tests marked ``interpreter`` are skipped, with the reason, on a machine with CUDA (no
+    TRITON_INTERPRET) and where the probe fails (the device's triton 3.6 + numpy 2.5)."""
+    from pyfused.ops import reduce as reduce_mod
+    from tests.conftest import _interpreter_problem
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET" in _interpreter_problem()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: "triton 3.6 with numpy >= 2.4")
+    assert _interpreter_problem() == "triton 3.6 with numpy >= 2.4; CI runs it"
+    monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: None)
+    assert _interpreter_problem() is None
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("programs", [1, 3])
+def test_persistent_grid_covers_every_tile(programs):
+    """The reduce's grid is capped (``num_programs``, a rank's SM budget) below its tile count: each
+    program walks several tiles, across chunks and their waits, and every row is still reduced."""
+    m, n, chunks = 40, 24, 4
+    srcs = _rows(3, m, n, torch.float32, seed=7)
+    flags = torch.ones(chunks, dtype=torch.int32)
+    out = multi_source_reduce(srcs, num_chunks=chunks, chunk_order=[3, 1, 0, 2], wait_flags=flags,
+                              num_programs=programs)
+    assert_close(out, reduce_ref(srcs)[0], torch.float32)
+    with pytest.raises(ValueError, match="num_programs"):
+        multi_source_reduce(srcs, num_programs=0)
+
 # ------------------------------------------------------------------------------------------------
 # GPU variants compiled ahead of time (no GPU needed)
 # ------------------------------------------------------------------------------------------------
@@ -168,7 +205,7 @@ def reduce_aot_summaries():
                          order_ptr="*i32", status_ptr="*i32", eps="fp32")
             consts = dict(P=p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WAIT=wait, HAS_ORDER=wait,
                           HAS_RESIDUAL=True, WRITE_RESIDUAL=True, RMSNORM=True, ALIGNED_SRC=True,
-                          FLAG_SCOPE="sys")
+                          FLAG_SCOPE="sys", WALL_CLOCK=True)
             aligned = [k for k in types if k != "eps"] + [
                 "N", "stride_src", "stride_out", "stride_res", "stride_res_out"]
             s = aot_compile(multi_source_reduce_kernel, cc, consts, types, aligned, cfg.num_warps)
@@ -187,6 +224,7 @@ def test_compiles_for_gpus():
         assert "ld.global.v4.b32" in s["ops"], f"{what}: loads not vectorized: {s['ops']}"
         acquire = any(re.match(r"(ld|atom)\.global\.sys\.acquire", op) for op in s["ops"])
         assert acquire == s["wait"], f"{what}: {s['ops']}"
+        assert s["globaltimer"] == s["wait"], f"{what}: the wait is not bounded by the wall clock"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,6 +282,6 @@ def test_gpu_wait_timeout_does_not_hang():
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     flags = torch.ones(2, 2, dtype=torch.int32, device="cuda")
     flags[0, 1] = 0
-    multi_source_reduce(srcs, num_chunks=2, wait_flags=flags, spin_limit=1000, status=status)
+    multi_source_reduce(srcs, num_chunks=2, wait_flags=flags, timeout_ms=50, status=status)
     torch.cuda.synchronize()
     assert status.item() == 1 + 0 * 2 + 1

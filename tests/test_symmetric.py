@@ -61,7 +61,12 @@ def test_check_records_is_a_pure_verdict(monkeypatch):
     shared = [_record(backend="torch"), _record(backend="torch")]
     assert "ranks 0 and 1 share cuda:0" in sm.check_records(shared)
     monkeypatch.setenv(sm.OVERLAP_ENV, "1")
+    monkeypatch.setattr(sm, "_torch_symm_backend", lambda index: "CUDA")
     assert sm.check_records(shared) is None
+    monkeypatch.setattr(sm, "_torch_symm_backend", lambda index: "NVSHMEM")
+    assert "NVSHMEM, which cannot host several ranks on one GPU: set TORCH_SYMMMEM=CUDA" in \
+        sm.check_records(shared)
+    assert sm.check_records([_record(backend="torch", device_index=i) for i in range(2)]) is None
     assert sm.check_records([_record(), _record()]) is None  # IPC maps a shared device as is
 
 
@@ -206,7 +211,7 @@ def test_epochs_restart_with_zeroed_pads(ranks):
 
 def _need_nccl_pool():
     if "nccl" not in os.environ.get("PYFUSED_TEST_BACKEND", "gloo"):
-        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh sets it)")
+        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh step symm_w2 sets it)")
 
 
 def _gpu_peers_and_free(rank, world, backend):

@@ -23,13 +23,26 @@ class GroupError(ValueError):
     pass
 
 
+class InProcessRank:
+    """One of several ranks that live in this one process (the virtual ranks of
+    pyfused/fused/virtual_ranks.py): the fused methods accept it as ``group``. It names itself and
+    provides its symmetric buffers (``symmetric_buffer``); it has no collectives of torch.distributed."""
+
+    rank: int
+    world: int
+    group_name: str
+
+    def symmetric_buffer(self, data_bytes: int, device: torch.device):
+        raise NotImplementedError
+
+
 def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
     """Return the ProcessGroup ``group`` names, or None for the single-process local group."""
     if group is None:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
-    if isinstance(group, dist.ProcessGroup):
+    if isinstance(group, (dist.ProcessGroup, InProcessRank)):
         return group
     try:
         from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +64,7 @@ def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
 
 
 def group_name(pg: Optional[dist.ProcessGroup]) -> str:
-    return LOCAL if pg is None else pg.group_name
+    return LOCAL if pg is None else pg.group_name  # InProcessRank too
 
 
 def group_from_name(name: str) -> Optional[dist.ProcessGroup]:
@@ -63,10 +76,14 @@ def group_from_name(name: str) -> Optional[dist.ProcessGroup]:
 
 
 def world_size(pg: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(pg, InProcessRank):
+        return pg.world
     return 1 if pg is None else dist.get_world_size(pg)
 
 
 def rank(pg: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(pg, InProcessRank):
+        return pg.rank
     return 0 if pg is None else dist.get_rank(pg)
 
 

@@ -8,21 +8,53 @@ the same op code runs on gloo.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+import contextvars
+from typing import Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
 
-_streams: Dict[int, "torch.cuda.Stream"] = {}
+_streams: Dict[Tuple[int, Hashable, int], "torch.cuda.Stream"] = {}
+# Whose side streams these are: one process is one rank (None), except under virtual ranks
+# (pyfused/fused/virtual_ranks.py), where each rank of the process has its own.
+_OWNER: contextvars.ContextVar[Hashable] = contextvars.ContextVar("pyfused_stream_owner",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def owned_by(owner: Hashable) -> Iterator[None]:
+    """Side streams taken in this context belong to ``owner`` (a virtual rank)."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
+
+
+def forget_owner(owner: Hashable) -> None:
+    """Drop the cached side streams of ``owner`` (a virtual rank that is done)."""
+    for key in [k for k in _streams if k[1] == owner]:
+        del _streams[key]
+
+
+def _side_stream(device: torch.device, slot: int) -> Optional["torch.cuda.Stream"]:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _OWNER.get(), slot)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=index, priority=-1)
+    return _streams[key]
 
 
 def comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     """The (cached, high-priority) communication stream of a CUDA device; None on CPU."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _streams[index]
+    return _side_stream(device, 0)
+
+
+def push_streams(device: torch.device, count: int) -> List[Optional["torch.cuda.Stream"]]:
+    """``count`` (cached, high-priority) side streams besides the comm stream, e.g. one per peer so
+    that pushes to different peers run concurrently; Nones on CPU."""
+    return [_side_stream(device, 1 + i) for i in range(count)]
 
 
 @contextlib.contextmanager
@@ -37,11 +69,12 @@ def on_comm_stream(device: torch.device) -> Iterator[Optional["torch.cuda.Stream
         yield stream
 
 
-def join_comm_stream(device: torch.device) -> None:
-    """Make the current stream wait for everything queued on the comm stream (no-op on CPU)."""
-    stream = comm_stream(device)
-    if stream is not None:
-        torch.cuda.current_stream(device).wait_stream(stream)
+def join_comm_stream(device: torch.device, *others: Optional["torch.cuda.Stream"]) -> None:
+    """Make the current stream wait for everything queued on the comm stream and on ``others``
+    (no-op on CPU)."""
+    for stream in (comm_stream(device), *others):
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def keep_alive(tensor: torch.Tensor, stream: Optional["torch.cuda.Stream"]) -> None:

@@ -31,6 +31,9 @@ Backends (``backend=`` or ``PYFUSED_SYMM_BACKEND``; docs/TESTBED.md compares the
     models of the fused kernels (the CPU kernels of ``pyfused::all_reduce_rows`` / ``symm_barrier``,
     the Triton interpreter) run across real processes in tests. No op chooses it.
   * world size 1 needs no exchange: a plain zeroed tensor on the device ("local").
+  * ranks of one process (``InProcessRank``, the virtual ranks of pyfused/fused/virtual_ranks.py):
+    their group allocates every rank's buffer as an ordinary zeroed tensor of one context and hands
+    each rank its ``SymmetricBuffer`` (backend "virtual"); nothing is exchanged.
 
 The backends' classes are in ``symmetric_backends.py``.
 
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
+from .group import InProcessRank
 from .group import group_name as _group_name
 from .group import rank as _rank
 from .group import resolve_group
@@ -137,7 +141,8 @@ def gather_records(pg, mine: Record, gather: Optional[Callable] = None) -> List[
 
 
 def check_records(records: Sequence[Record]) -> Optional[str]:
-    """Why these ranks cannot map each other's buffers, or None. A pure function of ``records``."""
+    """Why these ranks cannot map each other's buffers, or None: a function of ``records``, and,
+    for torch's backend with ranks sharing a device, of its settings (the same on every rank)."""
     failed = [(q, r.error) for q, r in enumerate(records) if r.error]
     if failed:
         return "; ".join(f"rank {q} could not allocate its buffer: {e}" for q, e in failed)
@@ -159,8 +164,23 @@ def check_records(records: Sequence[Record]) -> Optional[str]:
                 return (f"ranks {seen[r.device_index]} and {q} share cuda:{r.device_index}; torch "
                         f"symmetric memory maps one device per rank unless {OVERLAP_ENV}=1 is set "
                         f"(docs/TESTBED.md)")
+            if r.device_index in seen and _torch_symm_backend(r.device_index) == "NVSHMEM":
+                return (f"ranks {seen[r.device_index]} and {q} share cuda:{r.device_index}, and torch "
+                        f"symmetric memory uses NVSHMEM, which cannot host several ranks on one GPU: "
+                        f"set TORCH_SYMMMEM=CUDA (docs/TESTBED.md)")
             seen.setdefault(r.device_index, q)
     return None
+
+
+def _torch_symm_backend(device_index: int) -> Optional[str]:
+    """torch symmetric memory's allocation backend on cuda:``device_index`` ("CUDA", "NVSHMEM",
+    "NCCL"), or None where this torch cannot say."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        return symm_mem.get_backend(torch.device("cuda", device_index))
+    except Exception:  # an older torch, or no backend chosen yet
+        return None
 
 
 def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
@@ -215,6 +235,8 @@ class SymmetricBuffer:
         """This rank's cached buffer of >= ``nbytes`` for ``group`` on ``device``; collective on a
         cache miss. ``gather`` replaces ``dist.all_gather_object`` (tests)."""
         pg = resolve_group(group) if not isinstance(group, dist.ProcessGroup) else group
+        if isinstance(pg, InProcessRank):  # ranks of one process: their group owns the memory
+            return pg.symmetric_buffer(size_class(nbytes), torch.device(device))
         device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
@@ -277,7 +299,7 @@ class SymmetricBuffer:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.world > 1:
+        if self.world > 1 and not isinstance(self.pg, InProcessRank):  # in-process: synchronized
             dist.barrier(group=self.pg)
         SymmetricBuffer._cache.pop(self.key, None)
         mapping, self._mapping, self._ptr_tables = self._mapping, None, None

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..comm.group import resolve_group, world_size
-from ..comm.symmetric import SymmetricBuffer
+from ..comm.symmetric import MAX_BLOCKS, SymmetricBuffer
 from . import config
 
 
@@ -75,9 +75,12 @@ def all_reduce_rows(src: Tensor, pg, *, out: Optional[Tensor] = None,
     if algo is None:
         algo = config.all_reduce_algo(nbytes, world_size(pg))
     epoch = buf.next_epoch()
+    # The kernel's grid (at most 64 blocks) is capped by the SM budget of virtual ranks, the same on
+    # every rank of the group.
+    max_blocks = min(config.budget_in_force() or MAX_BLOCKS, MAX_BLOCKS)
     torch.ops.pyfused.all_reduce_rows(buf.buffer_ptrs_dev, buf.pad_ptrs_dev, out, residual,
                                       residual_out, weight, float(eps), buf.rank, epoch, int(algo),
-                                      config.timeout_ms())
+                                      config.timeout_ms(), max_blocks)
     return out
 
 

@@ -6,8 +6,11 @@ them); a GPU session replaces them with measured crossovers.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
@@ -41,6 +44,45 @@ DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(256 << 10)  # 5-8 ranks
 # it spins on peers' flags could otherwise starve the signals its peers' GEMMs are waiting for.
 RELAY_SMS = 2
 
+# Programs the fused kernels of this rank may hold at once, when set (``sm_budget``): with W virtual
+# ranks on one GPU (pyfused/fused/virtual_ranks.py) each rank gets about SMs/W, so that every rank's
+# spinning kernels are resident together. A context variable, so a rank launched from its own thread
+# has its own.
+_SM_BUDGET: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("pyfused_sm_budget",
+                                                                            default=None)
+# CPU tensors run in the Triton interpreter, which runs programs one after another: a few programs
+# keep the persistent loops exercised.
+INTERPRETER_PROGRAMS = 4
+
+
+@contextlib.contextmanager
+def sm_budget(programs: int) -> Iterator[None]:
+    """Cap every fused kernel launched in this context at ``programs`` programs (SMs)."""
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"an SM budget must be a positive int, got {programs!r}")
+    token = _SM_BUDGET.set(programs)
+    try:
+        yield
+    finally:
+        _SM_BUDGET.reset(token)
+
+
+def budget_in_force() -> Optional[int]:
+    """The ``sm_budget`` of this context, or None."""
+    return _SM_BUDGET.get()
+
+
+def grid_budget(device: torch.device) -> int:
+    """The most programs one persistent fused kernel of this rank launches: the ``sm_budget`` in
+    force, else the device's SMs less ``RELAY_SMS`` (the one-thread signal and relay kernels that run
+    beside a spinning kernel must find an SM), else ``INTERPRETER_PROGRAMS`` on CPU."""
+    budget = _SM_BUDGET.get()
+    if budget is not None:
+        return budget
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count - RELAY_SMS)
+
 
 def all_reduce_algo(nbytes: int, world: int) -> int:
     cfg = ALL_REDUCE_CONFIGS.get(world, DEFAULT_ALL_REDUCE_CONFIG)
@@ -48,10 +90,11 @@ def all_reduce_algo(nbytes: int, world: int) -> int:
 
 
 def timeout_ms() -> int:
-    """How long a device-side wait on a peer may take before the kernel traps (CUDA) or raises
-    (CPU models): ``PYFUSED_FUSED_TIMEOUT_MS`` if set (0 waits forever), else the default process
-    group's timeout (``init_process_group(timeout=...)``, as for every other wait on a peer), else
-    60 s. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
+    """How long a device-side wait on a peer may take, in wall-clock time, before the kernel gives
+    up: the CUDA kernels trap, the Triton kernels record the flag they waited on (reported as
+    ``WaitTimeout``), the CPU models raise. ``PYFUSED_FUSED_TIMEOUT_MS`` if set (0 waits forever),
+    else the default process group's timeout (``init_process_group(timeout=...)``, as for every
+    other wait on a peer), else 60 s. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
     env = os.environ.get("PYFUSED_FUSED_TIMEOUT_MS")
     if env is not None:
         return min(int(env), 10**9)
@@ -77,17 +120,3 @@ def check_not_capturing(device: torch.device, what: str) -> None:
         raise RuntimeError(f"{what}: the fused method cannot be captured in a CUDA graph (its "
                            f"barrier epochs and chunk flags are host values baked into the launch); "
                            f"run it eagerly, or use method='unfused' inside the captured region")
-
-
-# The Triton kernels' waits count polls, not time (no clock without inline asm): about how many
-# system-scope acquire polls one millisecond holds -- an estimate from the latency of such a load
-# (~1 us), not a measurement; the CUDA kernels' waits, which read %globaltimer, are exact.
-POLLS_PER_MS = 1000
-MAX_SPIN_LIMIT = 2**31 - 1
-
-
-def spin_limit() -> int:
-    """The Triton waits' poll bound matching ``timeout_ms()`` (0, "wait forever", gives the largest
-    bound: about half an hour)."""
-    ms = timeout_ms()
-    return MAX_SPIN_LIMIT if ms <= 0 else max(1, min(MAX_SPIN_LIMIT, ms * POLLS_PER_MS))

@@ -8,9 +8,11 @@ the owner's pad: ``SymmetricBuffer.flags``); waits are for ">= epoch", so nothin
 
 all-gather + GEMM (``fused_all_gather_matmul``), a: this rank's shard [m, K], out [W*m, N]
   1. own shard -> own buffer rows [r*m, (r+1)*m) and own flag r (compute stream);
-  2. on the comm stream, for each peer q (r+1, r+2, ...): copy the shard into q's buffer rows
-     [r*m, (r+1)*m) -- a device-to-device copy into mapped peer memory, i.e. the copy engine -- then
-     ``signal_flag`` q's flag r (fence + release at system scope, after the copy in stream order);
+  2. for each peer q (r+1, r+2, ...), on a side stream of its own (``streams.push_streams``, so the
+     W-1 pushes run concurrently and each peer's chunk lands without waiting for the others): copy
+     the shard into q's buffer rows [r*m, (r+1)*m) -- a device-to-device copy into mapped peer
+     memory, i.e. the copy engine -- then ``signal_flag`` q's flag r (fence + release at system
+     scope, after the copy in stream order);
   3. the persistent Triton GEMM (kernels/gemm.py, WAIT mode) over the gathered buffer, chunk c = the
      shard of rank c, in the order r, r-1, r-2, ... -- local data first, then the peers' chunks in
      the order their pushes land (step i of every rank s pushes to s+i, so r receives r-i) -- each
@@ -19,14 +21,22 @@ GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   1. the persistent GEMM with chunk c = the rows rank c owns, computed in the order r+1, r+2, ...,
      r (own chunk last), SCATTER mode: chunk c is stored into slot r of rank c's buffer; SIGNAL mode
      counts the stored tiles of each chunk in a local counter (release at system scope);
-  2. on the comm stream, beside the GEMM (which leaves ``config.RELAY_SMS`` SMs free), for each
-     peer's chunk c in the same order: ``wait_flag`` until its counter is complete, then
-     ``signal_flag`` flag r of rank c; the own flag r is set on the compute stream after the GEMM;
+  2. on the comm stream, beside the GEMM, for each peer's chunk c in the same order: ``wait_flag``
+     until its counter is complete, then ``signal_flag`` flag r of rank c; the own flag r is set on
+     the compute stream after the GEMM;
   3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
      slot on flag s (source s wrote it).
+  The relay's one-thread kernels need an SM while this rank's GEMM and then its reduce spin on SMs:
+  both are persistent and capped at ``config.grid_budget`` programs (the device's SMs less
+  ``config.RELAY_SMS``, or the virtual rank's share), so spinning programs never hold every SM's
+  room for a relay block. An uncapped reduce (one program per tile) could hold every SM's slots
+  while a peer waits for this rank's relay, and the peer's owner for it: a cross-rank deadlock.
 
-Waits in the Triton kernels are bounded (``spin_limit``, from ``PYFUSED_FUSED_TIMEOUT_MS`` by
-``config.spin_limit``): one that gives up is reported by
+Every kernel's grid is capped at ``config.grid_budget`` programs: with virtual ranks
+(pyfused/fused/virtual_ranks.py) each rank's kernels then fit beside the other ranks' on one GPU.
+
+Waits in the Triton kernels are bounded in wall-clock time (``PYFUSED_FUSED_TIMEOUT_MS``, read
+against ``%globaltimer``): one that gives up is reported by
 ``TIMEOUTS`` as ``WaitTimeout`` on a later fused call, without a host sync per call (see
 ``TimeoutWatch``); the waits in the CUDA kernels trap instead. Epochs are host-side state, so these
 schedules are not CUDA-graph capturable.
@@ -43,8 +53,10 @@ check every flag they would have waited on.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
-from typing import Callable, Deque, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -71,6 +83,7 @@ class TimeoutWatch:
 
     def __init__(self) -> None:
         self.pending: Deque[Tuple[torch.cuda.Event, Tensor, Callable[[int], str], str]] = deque()
+        self.lock = threading.Lock()  # virtual ranks call from several threads
 
     def watch(self, status: Tensor, describe: Callable[[int], str], what: str) -> None:
         if status.device.type != "cuda":
@@ -79,15 +92,20 @@ class TimeoutWatch:
         host.copy_(status, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending.append((event, host, describe, what))
+        with self.lock:
+            self.pending.append((event, host, describe, what))
 
     def check(self, sync: bool = False) -> None:
-        while self.pending and (sync or self.pending[0][0].query()):
-            event, host, describe, what = self.pending.popleft()
+        while True:
+            with self.lock:
+                if not self.pending or not (sync or self.pending[0][0].query()):
+                    return
+                event, host, describe, what = self.pending.popleft()
             event.synchronize()
             code = int(host[0])
             if code:
-                self.pending.clear()
+                with self.lock:
+                    self.pending.clear()
                 raise WaitTimeout(f"{what}: gave up waiting on {describe(code)} (a peer never "
                                   f"signalled); that call's output was wrong")
 
@@ -103,6 +121,18 @@ def _barrier(buf: SymmetricBuffer, channel: int, epoch: int) -> None:
     if buf.world > 1:
         torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, buf.rank, channel, 0, epoch,
                                        config.timeout_ms())
+
+
+@contextmanager
+def _on(stream, device: torch.device) -> Iterator[None]:
+    """Queue the body on ``stream``, after the work already queued on the current stream (CPU:
+    runs it now)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _table(buf: SymmetricBuffer, key, addrs: List[int], shape, dtype, device) -> PointerTable:
@@ -129,27 +159,27 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     _barrier(buf, CHAN_ENTRY, epoch)
     gathered[r * m:(r + 1) * m].copy_(a)
     signal_flag(flags, r, epoch)
-    with streams.on_comm_stream(device) as stream:
-        for i in range(1, w):
-            q = (r + i) % w
+    pushes = streams.push_streams(device, w - 1)
+    for i, stream in enumerate(pushes, start=1):
+        q = (r + i) % w
+        with _on(stream, device):
             buf.peer(q, (w * m, k), dtype)[r * m:(r + 1) * m].copy_(a)
             signal_flag(buf.flags(q, count=w), r, epoch)
-    streams.keep_alive(a, stream)
+        streams.keep_alive(a, stream)
     if device.type != "cuda":
         _barrier(buf, CHAN_SYNC, epoch)
     # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1 first,
     # then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
     order = [(r - i) % w for i in range(w)]
     # The persistent GEMM spins on SMs waiting for peers' chunks, while this rank's own signal
-    # kernels (comm stream) must still find an SM for the peers' GEMMs to progress: leave some free.
-    programs = None
-    if device.type == "cuda":
-        programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count - config.RELAY_SMS)
+    # kernels (push streams) must still find an SM for the peers' GEMMs to progress: capped grid.
     status = new_status(device)
     out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
-               flag_scope="sys", status=status, num_programs=programs, spin_limit=config.spin_limit())
-    TIMEOUTS.watch(status, describe_gemm_timeout, "fused all_gather_matmul")
-    streams.join_comm_stream(device)
+               flag_scope="sys", status=status, num_programs=config.grid_budget(device),
+               timeout_ms=config.timeout_ms())
+    TIMEOUTS.watch(status, lambda code: f"{describe_gemm_timeout(code)}: flag {code - 1} of rank {r}, "
+                   f"set by peer {code - 1}'s push", f"fused all_gather_matmul, rank {r}")
+    streams.join_comm_stream(device, *pushes)
     return out, (gathered.clone() if keep_gathered else None)
 
 
@@ -181,9 +211,8 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         counters = torch.zeros(w, dtype=torch.int32, device=device)
         relay = streams.comm_stream(device)
         relay.wait_stream(torch.cuda.current_stream(device))  # sees the barrier and the zeroed counters
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
         gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets, signal_counters=counters,
-             signal_scope="sys", num_programs=max(1, sms - config.RELAY_SMS), allow_tf32=tf32)
+             signal_scope="sys", num_programs=config.grid_budget(device), allow_tf32=tf32)
         # This rank's own slot is written by the GEMM just queued on this stream, so its flag is set
         # here, stream-ordered after it: the reduce below then never spins on a flag whose setter
         # (a relay kernel) would need an SM that the spinning reduce's programs may all hold.
@@ -197,13 +226,17 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         streams.keep_alive(counters, relay)
         streams.keep_alive(a, relay)
     else:
-        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets)
+        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets,
+             num_programs=config.grid_budget(device))
         for c in order:
             signal_flag(buf.flags(c, count=w), r, epoch)
         _barrier(buf, CHAN_SYNC, epoch)
     status = new_status(device)
     out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
-                              flag_scope="sys", status=status, spin_limit=config.spin_limit())
-    TIMEOUTS.watch(status, describe_reduce_timeout(w, 1), "fused matmul_reduce_scatter")
+                              flag_scope="sys", status=status, timeout_ms=config.timeout_ms(),
+                              num_programs=config.grid_budget(device))
+    describe = describe_reduce_timeout(w, 1)
+    TIMEOUTS.watch(status, lambda code: f"{describe(code)}: flag {code - 1} of rank {r}, set by peer "
+                   f"{code - 1}'s relay", f"fused matmul_reduce_scatter, rank {r}")
     streams.join_comm_stream(device)
     return out

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from .reduce import (
-    DEFAULT_SPIN_LIMIT, PointerTable, check_backend, check_flags, check_wait_args,
-    check_scope, chunk_order_tensor, chunk_rows_of, new_status, raise_on_timeout,
+    DEFAULT_SPIN_LIMIT, DEFAULT_TIMEOUT_MS, PointerTable, check_backend, check_flags,
+    check_wait_args, check_scope, chunk_order_tensor, chunk_rows_of, new_status, raise_on_timeout,
+    serialized, timeout_ns,
 )
 
 B_LAYOUTS = ("kn", "nk")
@@ -177,7 +178,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
          signal_counters: Optional[Tensor] = None,
          out_chunks: Union[None, PointerTable, Sequence[Tensor]] = None,
          status: Optional[Tensor] = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
-         flag_scope: str = "sys", signal_scope: str = "gpu", config=None, autotune: bool = False,
+         timeout_ms: int = DEFAULT_TIMEOUT_MS, flag_scope: str = "sys", signal_scope: str = "gpu", config=None, autotune: bool = False,
          num_programs: Optional[int] = None, allow_tf32: Optional[bool] = None
          ) -> Union[Tensor, PointerTable, List[Tensor]]:
     """``C = a @ b (+ bias)`` with the persistent Triton kernel; see the module docstring.
@@ -193,7 +194,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     out_chunks: one buffer per chunk (tensors [>= rows of chunk c, N] sharing strides, or a
       ``PointerTable``, built once for persistent buffers: a list costs a host-to-device copy per
       call); chunk c of C is written there instead of to ``out``.
-    status: int32 [1] zero word; a wait that gives up after ``spin_limit`` polls writes 1 + chunk
+    status: int32 [1] zero word; a wait that gives up (after ``timeout_ms`` of wall-clock time on a
+      GPU, after ``spin_limit`` polls in the interpreter) writes 1 + chunk
       there (check with ``raise_on_timeout(status, describe_gemm_timeout)`` after synchronizing; on
       CPU the launcher checks itself).
     allow_tf32: fp32 inputs only; default ``torch.backends.cuda.matmul.allow_tf32``.
@@ -249,19 +251,20 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
             order if order is not None else dummy, status,
             m, n, k, plan.chunk_rows, num_chunks,
             a.stride(0), a.stride(1), stride_bk, stride_bn, *c_strides,
-            int(wait_expected), int(spin_limit))
+            int(wait_expected), int(spin_limit), timeout_ns(timeout_ms))
     flags = dict(WAIT=wait, SIGNAL=signal, SCATTER=scatter, HAS_BIAS=bias is not None,
                  HAS_ORDER=order is not None, ALIGNED_OUT=bool(scatter and table.aligned),
                  INPUT_PRECISION="tf32" if a.dtype != torch.float32 or allow_tf32 else "ieee",
-                 FLAG_SCOPE=flag_scope, SIGNAL_SCOPE=signal_scope)
+                 FLAG_SCOPE=flag_scope, SIGNAL_SCOPE=signal_scope, WALL_CLOCK=device.type == "cuda")
     if autotune:
         _launch_autotuned(args, flags, m, n, k, a.dtype, allow_tf32, device, num_programs)
     else:
         cfg = plan.config
-        persistent_gemm_kernel[(min(num_programs, plan.num_tiles),)](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, **flags,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        with serialized(device):
+            persistent_gemm_kernel[(min(num_programs, plan.num_tiles),)](
+                *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, **flags,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if wait and device.type != "cuda":
         raise_on_timeout(status, describe_gemm_timeout)
     return out_chunks if scatter else out

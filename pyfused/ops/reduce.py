@@ -15,7 +15,9 @@ without it; ``check_backend`` refuses both with a clear message.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -26,6 +28,8 @@ from torch import Tensor
 # costs on the order of a microsecond on current GPUs, so this is about a minute: far longer than
 # any legitimate skew between ranks, finite so that a lost flag fails instead of hanging forever.
 DEFAULT_SPIN_LIMIT = 1 << 26
+# On a GPU the waits are bounded in wall-clock time instead (kernels/gemm.py "No hang"); 0 = forever.
+DEFAULT_TIMEOUT_MS = 60_000
 SCOPES = ("gpu", "sys")
 
 
@@ -85,6 +89,11 @@ class PointerTable:
         return cls(ptrs, tuple(shape), tuple(stride), dtype, device, aligned)
 
 
+# The interpreter keeps the grid index of the running launch in module state, so launches from
+# several threads (virtual ranks on CPU, pyfused/fused/virtual_ranks.py) must not interleave.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def check_backend(device: torch.device, kernel, what: str) -> None:
     """Refuse the two combinations the Triton launch cannot serve (see the module docstring)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -97,7 +106,8 @@ def check_backend(device: torch.device, kernel, what: str) -> None:
         raise RuntimeError(f"{what}: tensors on {device} run only in the Triton interpreter; set "
                            f"TRITON_INTERPRET=1 before pyfused.kernels is imported, or use CUDA tensors")
     if interpreted:
-        problem = interpreter_problem()
+        with _INTERPRETER_LOCK:  # the probe is an interpreted launch too
+            problem = interpreter_problem()
         if problem:
             raise RuntimeError(f"{what}: {problem}")
 
@@ -198,8 +208,20 @@ def raise_on_timeout(status: Tensor, describe) -> None:
     ``describe(code)`` turns the kernel's code into words."""
     code = int(status.reshape(-1)[0].item())
     if code != 0:
-        raise WaitTimeout(f"gave up waiting on {describe(code)} after the spin limit; the peer that "
+        raise WaitTimeout(f"gave up waiting on {describe(code)} after its time limit; the peer that "
                           f"should have set it did not (the output is incomplete)")
+
+
+def timeout_ns(timeout_ms: int) -> int:
+    """The kernels' wall-clock wait bound in ns for ``timeout_ms`` (0: wait forever, ~146 years)."""
+    if not isinstance(timeout_ms, int) or timeout_ms < 0:
+        raise ValueError(f"timeout_ms must be an int >= 0, got {timeout_ms!r}")
+    return min(timeout_ms, 10**9) * 1_000_000 if timeout_ms else 2**62
+
+
+def serialized(device: torch.device):
+    """Hold the interpreter's lock around a launch on CPU tensors; nothing on a GPU."""
+    return _INTERPRETER_LOCK if device.type != "cuda" else contextlib.nullcontext()
 
 
 def check_scope(name: str, scope: str) -> None:
@@ -274,7 +296,8 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
                         chunk_order: Optional[Sequence[int]] = None,
                         wait_flags: Optional[Tensor] = None, wait_expected: int = 1,
                         status: Optional[Tensor] = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
-                        flag_scope: str = "sys", config=None) -> Tensor:
+                        timeout_ms: int = DEFAULT_TIMEOUT_MS, flag_scope: str = "sys", config=None,
+                        num_programs: Optional[int] = None) -> Tensor:
     """``out = sum_p sources[p] (+ residual)``, then RMSNorm with ``weight`` if given; see
     kernels/reduce.py for the math and the memory ordering.
 
@@ -287,6 +310,10 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
     status: an int32 [1] zero word; a wait that times out writes its code there (check it with
       ``raise_on_timeout(status, describe_reduce_timeout(P, num_chunks))`` after synchronizing).
       On CPU the launcher checks it itself.
+    spin_limit / timeout_ms: a wait gives up after ``spin_limit`` polls in the interpreter, after
+      ``timeout_ms`` of wall-clock time on a GPU.
+    num_programs: the most programs the (persistent) kernel runs; default 8 per SM. Cap it to leave
+      SMs to kernels that must run beside a waiting reduce.
     Returns ``out`` (allocated like the sources if not given).
     """
     from pyfused.kernels.reduce import multi_source_reduce_kernel
@@ -318,20 +345,25 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
     if weight is not None and cfg.block_n < n:
         raise ValueError(f"config {cfg}: RMSNorm needs block_n >= N ({n})")
     tiles = num_chunks * -(-chunk_rows // cfg.rows_per_prog) * -(-n // cfg.block_n)
+    if num_programs is None:
+        num_programs = tiles
+    if not isinstance(num_programs, int) or num_programs < 1:
+        raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
     dummy = out  # stands in for absent optional pointers; never dereferenced
-    multi_source_reduce_kernel[(tiles,)](
-        table.ptrs, out, residual if residual is not None else dummy,
-        residual_out if residual_out is not None else dummy, weight if weight is not None else dummy,
-        wait_flags if wait else status, order if order is not None else status, status,
-        m, n, chunk_rows, num_chunks, cfg.rows_per_prog,
-        table.stride[0], out.stride(0), residual.stride(0) if residual is not None else 0,
-        residual_out.stride(0) if residual_out is not None else 0,
-        flag_stride_p, int(wait_expected), int(spin_limit), float(eps),
-        P=p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WAIT=wait, HAS_ORDER=order is not None,
-        HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
-        RMSNORM=weight is not None, ALIGNED_SRC=table.aligned, FLAG_SCOPE=flag_scope,
-        num_warps=cfg.num_warps,
-    )
+    with serialized(device):
+        multi_source_reduce_kernel[(min(tiles, num_programs),)](
+            table.ptrs, out, residual if residual is not None else dummy,
+            residual_out if residual_out is not None else dummy, weight if weight is not None else dummy,
+            wait_flags if wait else status, order if order is not None else status, status,
+            m, n, chunk_rows, num_chunks, cfg.rows_per_prog,
+            table.stride[0], out.stride(0), residual.stride(0) if residual is not None else 0,
+            residual_out.stride(0) if residual_out is not None else 0,
+            flag_stride_p, int(wait_expected), int(spin_limit), timeout_ns(timeout_ms), float(eps),
+            P=p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WAIT=wait, HAS_ORDER=order is not None,
+            HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
+            RMSNORM=weight is not None, ALIGNED_SRC=table.aligned, FLAG_SCOPE=flag_scope,
+            WALL_CLOCK=device.type == "cuda", num_warps=cfg.num_warps,
+        )
     if wait and device.type != "cuda":
         raise_on_timeout(status, describe_reduce_timeout(p, num_chunks))
     return out

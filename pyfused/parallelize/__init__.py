@@ -1,14 +1,15 @@
 """Turn a transformers decoder-only model into TP/SP + DP + PP on a DeviceMesh (docs/PARALLELIZE.md).
 
     mesh = init_device_mesh("cuda", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    model = pyfused.parallelize(model, mesh)          # plan="auto": Llama family or GPT-2
+    model = pyfused.parallelize(model, mesh)          # plan="auto": the families in plans.FAMILIES
     out = model(input_ids, labels=labels)             # full logits and loss, as the original returns
 """
 from .api import ParallelModel, ParallelizeError, parallelize
-from .plans import STYLES, PlanError, auto_plan, gpt2_plan, llama_plan
+from .plans import FAMILIES, STYLES, PlanError, auto_plan, gpt2_plan, gpt_neox_plan, llama_plan
+from .report import ParallelizeReport
 
-__all__ = ["ParallelModel", "ParallelizeError", "PlanError", "STYLES", "auto_plan", "gpt2_plan",
-           "llama_plan", "parallelize"]
+__all__ = ["FAMILIES", "ParallelModel", "ParallelizeError", "ParallelizeReport", "PlanError", "STYLES",
+           "auto_plan", "gpt2_plan", "gpt_neox_plan", "llama_plan", "parallelize"]
 
 
 # ``pyfused.parallelize`` names this function (pyfused/__init__.py resolves it lazily), but importing

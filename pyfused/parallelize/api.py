@@ -4,8 +4,9 @@ Order of work (every rank runs the same steps on the same full model):
   1. local checks that need no communication: the mesh's dims, the plan (``plan="auto"`` picks the
      family from ``config.model_type``), every parameter covered, every sharded size divisible;
   2. one fixed-size exchange per mesh dim (``_agree``): all ranks must hold the same model (a
-     fingerprint of parameter names, shapes and dtypes) and options, and any rank's problem is
-     raised on every rank with the same message -- before any other collective;
+     fingerprint of parameter names, shapes and dtypes, and a checksum of their values) and options,
+     and any rank's problem is raised on every rank with the same message -- before any other
+     collective;
   3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
   4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp`` with
      pyfused's DistributedDataParallel.
@@ -24,7 +25,9 @@ import torch.nn as nn
 
 from .. import comm
 from .._logging import logger
+from . import checks as checks_mod
 from . import plans as plans_mod
+from . import report as report_mod
 from . import tensor_parallel as tp_mod
 from .shard import ShardSpec
 
@@ -80,17 +83,28 @@ def _fingerprint(model: nn.Module) -> int:
     return zlib.crc32(text.encode()) & 0x3FFFFFFF
 
 
-def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optional[str]) -> None:
+def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optional[str],
+           model: nn.Module = None, check_weights: bool = False) -> None:
     """Raise the same ParallelizeError on every rank of the mesh if any rank has a problem or holds a
-    different model or options.
+    different model, different weights or options.
 
     One fixed-size exchange (``comm.exchange``) per mesh dim, over that dim's group: after the
     exchange along dim k every rank folds in what its dim-k peers reported, so after the last dim
     every rank knows the verdict of the whole mesh (a product of its dims) without a group spanning
-    it. A mesh that is not a valid named DeviceMesh is checked over the default group instead."""
+    it. A mesh that is not a valid named DeviceMesh is checked over the default group instead.
+    ``check_weights``: the exchange also carries one checksum of the parameter and buffer values
+    (checks.py); when they differ, a second step names the first tensor that differs."""
+    names, checks = [], []
+    if check_weights and model is not None:
+        try:  # a rank that cannot checksum still takes part in the exchange (no hang)
+            names, checks = checks_mod.tensor_checksums(model)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            problem = problem or f"check_weights: could not checksum the model's tensors ({e!r})"
     err = zlib.crc32(problem.encode()) & 0x3FFFFFFF if problem else 0
-    # status: model, options (4), error crc (0: none, 1: different errors), all ranks have it, differs
-    status = [model_fp, *sizes, int(sp), err, int(err != 0), 0]
+    values = checks_mod.combined(checks) if checks else 0
+    # status: model, options (5), error crc (0: none, 1: different errors), all ranks have it,
+    # differs, values checksum, values differ
+    status = [model_fp, *sizes, int(sp), int(check_weights), err, int(err != 0), 0, values, 0]
     if mesh_ok:
         groups = [mesh.get_group(n) for n in mesh.mesh_dim_names]
     else:
@@ -98,36 +112,47 @@ def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optiona
     for pg in groups:
         sigs = comm.exchange(pg, comm.Signature(comm.op_code("parallelize"), tuple(status), ()))
         rows = [s.ints for s in sigs]
-        differs = any(r[:5] != rows[0][:5] for r in rows) or any(r[7] for r in rows)
-        crcs = {r[5] for r in rows if r[5]}
-        status[5] = 0 if not crcs else crcs.pop() if len(crcs) == 1 else 1
-        status[6] = int(all(r[6] for r in rows))
-        status[7] = int(differs)
-    if status[7]:
+        differs = any(r[:6] != rows[0][:6] for r in rows) or any(r[8] for r in rows)
+        crcs = {r[6] for r in rows if r[6]}
+        status[6] = 0 if not crcs else crcs.pop() if len(crcs) == 1 else 1
+        status[7] = int(all(r[7] for r in rows))
+        status[8] = int(differs)
+        status[10] = int(any(r[9] != rows[0][9] for r in rows) or any(r[10] for r in rows))
+    if status[8]:
         msg = ("the model, the mesh or the options differ between ranks (parameter names, shapes "
-               "and dtypes, (dp, pp, tp) sizes and sequence_parallel must match): build the same "
-               "model and call parallelize() with the same arguments on every rank")
-    elif status[5] and status[6] and status[5] == err:
+               "and dtypes, (dp, pp, tp) sizes, sequence_parallel and check_weights must match): build "
+               "the same model and call parallelize() with the same arguments on every rank")
+    elif status[6] and status[7] and status[6] == err:
         msg = problem
-    elif status[5]:
+    elif status[6]:
         if problem:
             logger.error("pyfused.parallelize on this rank: %s", problem)
         msg = "some ranks cannot parallelize the model (their problem is logged there)"
+    elif status[10]:
+        first = checks_mod.first_differing(groups, checks)
+        msg = (f"the model's weights differ between ranks (first differing tensor: "
+               f"{names[first] if first >= 0 else '?'}): every rank must start from the same full "
+               f"model (the same seed, or the checkpoint loaded on every rank); pass "
+               f"check_weights=False only if the ranks differ on purpose")
     else:
         return
     raise ParallelizeError(f"pyfused.parallelize: {msg}")
 
 
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
-                sequence_parallel: bool = True, overlap: str = "auto",
-                **pipeline_options) -> "ParallelModel":
+                sequence_parallel: bool = True, overlap: str = "auto", check_weights: bool = True,
+                verbose: bool = False, **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
     ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
     stays within the mesh's dim groups.
-    ``plan``: "auto" (Llama family or GPT-2) or ``{module pattern: style}`` (plans.py).
+    ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
+    ``check_weights``: check that every rank holds the same parameter and buffer values (one
+    checksum per tensor, exchanged with the fingerprint); False for ranks that differ on purpose.
+    ``verbose``: print the report of what was done (``ParallelModel.report()``) on global rank 0,
+    now and once the first call has recorded the op methods chosen.
     ``pipeline_options``: for pp > 1, see pyfused/parallelize/pipeline.py.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -151,7 +176,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
     if problem is None and info.size["pp"] == 1 and pipeline_options:
         problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
-    _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem)
+    _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem, model,
+           bool(check_weights))
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)
@@ -165,7 +191,12 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         tp.apply(model, resolved)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
-    return ParallelModel(model, info, tp, stage)
+    parallel = ParallelModel(model, info, tp, stage)
+    object.__setattr__(parallel, "_plan_styles", resolved.styles)
+    object.__setattr__(parallel, "_verbose", bool(verbose))
+    if verbose and dist.get_rank() == 0:
+        print(parallel.report(), flush=True)
+    return parallel
 
 
 def _world_group():
@@ -193,6 +224,10 @@ class ParallelModel(nn.Module):
             runner = _wrap_data_parallel(module, info.group["dp"])
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
+        object.__setattr__(self, "_recorder", report_mod.MethodRecorder())  # for the first call
+        object.__setattr__(self, "_choices", {})
+        object.__setattr__(self, "_plan_styles", {})
+        object.__setattr__(self, "_verbose", False)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -206,10 +241,29 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._check_sequence(args, kwargs)
+        recorder = self._recorder
+        if recorder is None:
+            return self._call(args, kwargs)
+        object.__setattr__(self, "_recorder", None)
+        with recorder.recording(self.module):  # the op methods of the first call, for report()
+            out = self._call(args, kwargs)
+        object.__setattr__(self, "_choices", recorder.choices)
+        if self._verbose and dist.get_rank() == 0:
+            print(self.report(), flush=True)
+        return out
+
+    def _call(self, args, kwargs):
         with comm.failures_named("parallelize forward", _world_group()):
             if self._stage is not None:
                 return self._stage.run(args, kwargs)
             return self._runner(*args, **kwargs)
+
+    def report(self) -> "report_mod.ParallelizeReport":
+        """Per module of the plan (on this rank's stage): the style applied, what it became, its
+        communication and the op method it ran (unfused / decomposed / fused, and why; under
+        overlap="auto" as chosen by the first call). ``str()`` of it is a table."""
+        return report_mod.build_report(self.module, self._plan_styles, self.mesh_info.describe(),
+                                       self._tp.sp, self._tp.overlap, self._choices)
 
     def _check_sequence(self, args, kwargs) -> None:
         config = getattr(self.module, "config", None)

@@ -11,6 +11,10 @@ A vocabulary V the TP size W does not divide (GPT-2's 50257) is padded to ``padd
 rows, the padding on the last ranks: no id reaches those rows, so they get no gradient; the LM head
 (``VocabParallelHead``) computes logits for them too and cuts the gathered logits back to V, so the
 model's outputs and loss are the unpadded model's.
+
+A scaled word embedding (Gemma's ``GemmaTextScaledWordEmbedding`` and its Gemma2/3 twins: an
+``nn.Embedding`` whose forward multiplies the rows by a non-persistent ``embed_scale`` buffer,
+sqrt(hidden)) keeps its scale: ``embed_scale`` becomes the same buffer of the vocab-parallel one.
 """
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ def padded_vocab(vocab: int, world: int) -> int:
     return -(-vocab // world) * world
 
 
+def embedding_scale(module: nn.Module) -> Optional[Tensor]:
+    """The ``embed_scale`` of a known scaled word embedding (forward: ``embedding(ids) *
+    embed_scale.to(weight.dtype)``; transformers' ``*ScaledWordEmbedding`` classes), else None."""
+    scale = getattr(module, "embed_scale", None)
+    if (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and isinstance(scale, Tensor) and scale.dim() == 0):
+        return scale
+    return None
+
+
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, pg):
@@ -46,7 +60,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 group=None, device=None, dtype=None):
+                 group=None, device=None, dtype=None, embed_scale: Optional[Tensor] = None):
         super().__init__()
         self.pg = comm.resolve_group(group)
         self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
@@ -55,6 +69,9 @@ class VocabParallelEmbedding(nn.Module):
         self.local_rows = padded_vocab(num_embeddings, self.world_size) // self.world_size
         self.start = self.rank * self.local_rows
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))
+        # a scaled word embedding's scale, under the original's (non-persistent) buffer name
+        self.embed_scale = (None if embed_scale is None else
+                            nn.Buffer(embed_scale.detach().clone().to(device), persistent=False))
         nn.init.normal_(self.weight)
         with torch.no_grad():  # padding rows (past the vocabulary): never looked up, kept zero
             self.weight[max(0, min(self.local_rows, num_embeddings - self.start)):].zero_()
@@ -74,12 +91,14 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self._local_padding_idx())
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return _ReduceFromGroup.apply(out, self.pg)
+        out = _ReduceFromGroup.apply(out, self.pg)
+        return out if self.embed_scale is None else out * self.embed_scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.start}.."
                 f"{self.start + self.local_rows - 1}), padding_idx={self.padding_idx}, "
-                f"world={self.world_size}")
+                f"world={self.world_size}" + ("" if self.embed_scale is None else
+                                              f", embed_scale={float(self.embed_scale):.4g}"))
 
 
 class VocabParallelHead(ColumnParallelLinear):

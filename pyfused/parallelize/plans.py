@@ -7,11 +7,22 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
   ``colwise``        ``nn.Linear`` / GPT-2 ``Conv1D`` -> ColumnParallelLinear (output features sharded).
                      Inside the sequence-parallel region it gathers the sequence shard itself
                      (``all_gather_matmul``) unless an enclosing ``attention`` module gathered it.
-  ``colwise_qkv``    like ``colwise`` for a fused q|k|v projection (three equal parts, each sharded).
+  ``colwise_qkv``    like ``colwise`` for a fused [q|k|v] projection: q, k and v each sharded, so each
+                     rank holds its own heads of q, k and v in that order. The parts' widths come from
+                     the config's head counts (q wider than k and v under grouped-query attention;
+                     equal thirds without). It cannot see the layout inside the projection: a
+                     per-head interleaved [q0 k0 v0 | q1 k1 v1 ...] projection (GPT-NeoX's
+                     ``query_key_value``) needs plain ``colwise`` (contiguous rows are whole heads);
+                     the model types known to be interleaved are refused.
+  ``colwise_gate_up``  like ``colwise`` for a fused [gate|up] MLP projection (Phi-3's
+                     ``gate_up_proj``): each half sharded, so each rank holds its share of both.
   ``colwise_kv``     like ``colwise`` for a projection onto the key/value heads of grouped-query
                      attention: sharded by whole KV heads; with more TP ranks than KV heads (TP a
                      multiple of them) each KV head is replicated on TP/KV consecutive ranks -- the
                      ranks whose query heads use it -- and its gradients are summed over those ranks.
+  ``colwise_norm``   an RMSNorm over the full output width of a ``colwise`` projection (OLMo 2's
+                     ``q_norm``): weight sharded like the projection, the mean square summed exactly
+                     over the TP group. ``colwise_norm_kv``: the same after a ``colwise_kv`` one.
   ``rowwise``        -> RowParallelLinear (input features sharded); in the sequence-parallel region it
                      reduce-scatters to the sequence shard (``matmul_reduce_scatter``).
   ``colwise_gather_output``  the LM head: vocab-parallel, logits gathered to the full vocabulary.
@@ -43,16 +54,27 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-LINEAR_STYLES = ("colwise", "colwise_qkv", "colwise_kv", "rowwise", "colwise_gather_output")
+LINEAR_STYLES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_kv", "rowwise",
+                 "colwise_gather_output")
 ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
-STYLES = LINEAR_STYLES + ATTENTION_STYLES + ("embedding", "sequence_parallel", "head_shared", "replicate",
-                                             "blocks")
+NORM_STYLES = ("colwise_norm", "colwise_norm_kv")
+STYLES = LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES + (
+    "embedding", "sequence_parallel", "head_shared", "replicate", "blocks")
 
 # transformers model_type -> family. The Llama family: decoder-only models with LlamaAttention's
 # layout (separate q/k/v/o projections, optional q/k/v biases, grouped-query attention) and a
-# gate/up/down MLP.
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # qwen3: + per-head q/k RMSNorm
-FAMILIES = {**{t: "llama" for t in LLAMA_FAMILY}, "gpt2": "gpt2"}
+# gate/up/down MLP; its members differ in their norms (RMSNorm, Gemma's (1 + w) RMSNorm, StableLM's
+# LayerNorm; Gemma2/3's extra feed-forward norms; Qwen3's and Gemma3's per-head q/k norms), rotary
+# (StableLM's partial rotary), attention (Gemma2's soft-capping, sliding windows) and embedding
+# (Gemma's scaled one) -- none of which changes how TP splits the projections.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "stablelm", "gemma", "gemma2", "gemma3_text")
+FAMILIES = {**{t: "llama" for t in LLAMA_FAMILY}, "olmo2": "olmo2", "phi3": "phi3",
+            "gpt_neox": "gpt_neox", "gpt2": "gpt2"}
+# per-block norms of the Llama family and OLMo 2, by name; a plan lists those the model has
+BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
+# model types whose fused query_key_value interleaves q, k, v per head ([q0 k0 v0 | q1 k1 v1 ...])
+INTERLEAVED_QKV = ("gpt_neox", "gptj", "bloom", "falcon", "persimmon")
 
 # Attention-module attributes that hold a head count or a width proportional to it (checked against
 # transformers 5.x: LlamaAttention reads only head_dim and num_key_value_groups, neither of which
@@ -64,28 +86,58 @@ class PlanError(ValueError):
     pass
 
 
-def llama_plan(prefix: str, has_lm_head: bool, qk_norm: bool = False) -> Dict[str, str]:
+def llama_plan(prefix: str, has_lm_head: bool, qk_norm: bool = False,
+               norms: Tuple[str, ...] = BLOCK_NORMS[:2], qk_norm_style: str = "head_shared",
+               fused: bool = False) -> Dict[str, str]:
+    """The Llama family's plan. ``norms``: the block's norms (sequence_parallel); ``qk_norm``: the
+    attention's q_norm / k_norm in ``qk_norm_style`` (``head_shared`` for per-head norms as Qwen3's,
+    ``colwise_norm`` for norms over the whole projection as OLMo 2's); ``fused``: Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj`` instead of q/k/v and gate/up projections."""
     p = prefix
-    plan = {
-        f"{p}embed_tokens": "embedding",
-        f"{p}layers": "blocks",
-        f"{p}layers.*.input_layernorm": "sequence_parallel",
-        f"{p}layers.*.self_attn": "attention",
-        f"{p}layers.*.self_attn.q_proj": "colwise",
-        f"{p}layers.*.self_attn.k_proj": "colwise_kv",
-        f"{p}layers.*.self_attn.v_proj": "colwise_kv",
-        f"{p}layers.*.self_attn.o_proj": "rowwise",
-        f"{p}layers.*.post_attention_layernorm": "sequence_parallel",
-        f"{p}layers.*.mlp.gate_proj": "colwise",
-        f"{p}layers.*.mlp.up_proj": "colwise",
-        f"{p}layers.*.mlp.down_proj": "rowwise",
-        f"{p}norm": "replicate",
-    }
+    plan = {f"{p}embed_tokens": "embedding", f"{p}layers": "blocks"}
+    plan.update({f"{p}layers.*.{n}": "sequence_parallel" for n in norms})
+    plan[f"{p}layers.*.self_attn"] = "attention"
+    if fused:
+        plan[f"{p}layers.*.self_attn.qkv_proj"] = "colwise_qkv"
+    else:
+        plan[f"{p}layers.*.self_attn.q_proj"] = "colwise"
+        plan[f"{p}layers.*.self_attn.k_proj"] = "colwise_kv"
+        plan[f"{p}layers.*.self_attn.v_proj"] = "colwise_kv"
+    plan[f"{p}layers.*.self_attn.o_proj"] = "rowwise"
+    if fused:
+        plan[f"{p}layers.*.mlp.gate_up_proj"] = "colwise_gate_up"
+    else:
+        plan[f"{p}layers.*.mlp.gate_proj"] = "colwise"
+        plan[f"{p}layers.*.mlp.up_proj"] = "colwise"
+    plan[f"{p}layers.*.mlp.down_proj"] = "rowwise"
+    plan[f"{p}norm"] = "replicate"
     if qk_norm:
-        plan[f"{p}layers.*.self_attn.q_norm"] = "head_shared"
-        plan[f"{p}layers.*.self_attn.k_norm"] = "head_shared"
+        kv_style = qk_norm_style + "_kv" if qk_norm_style == "colwise_norm" else qk_norm_style
+        plan[f"{p}layers.*.self_attn.q_norm"] = qk_norm_style
+        plan[f"{p}layers.*.self_attn.k_norm"] = kv_style
     if has_lm_head:
         plan["lm_head"] = "colwise_gather_output"
+    return plan
+
+
+def gpt_neox_plan(prefix: str, lm_head: Optional[str]) -> Dict[str, str]:
+    """GPT-NeoX (Pythia): the fused ``query_key_value`` is interleaved per head, so contiguous
+    output rows are whole heads with their q, k and v: plain ``colwise`` gives each rank its heads."""
+    p = prefix
+    plan = {
+        f"{p}embed_in": "embedding",
+        f"{p}layers": "blocks",
+        f"{p}layers.*.input_layernorm": "sequence_parallel",
+        f"{p}layers.*.post_attention_layernorm": "sequence_parallel",
+        f"{p}layers.*.attention": "attention",
+        f"{p}layers.*.attention.query_key_value": "colwise",
+        f"{p}layers.*.attention.dense": "rowwise",
+        f"{p}layers.*.mlp.dense_h_to_4h": "colwise",
+        f"{p}layers.*.mlp.dense_4h_to_h": "rowwise",
+        f"{p}final_layer_norm": "replicate",
+    }
+    if lm_head:
+        plan[lm_head] = "colwise_gather_output"
     return plan
 
 
@@ -123,13 +175,22 @@ def auto_plan(model: nn.Module) -> Dict[str, str]:
             f"known model types: {', '.join(sorted(FAMILIES))}. Pass plan={{pattern: style}} "
             f"(styles: {', '.join(STYLES)}; see pyfused/parallelize/plans.py)")
     names = dict(model.named_modules())
-    if family == "llama":
-        prefix = "model." if "model.layers" in names else ""
+    if family == "gpt_neox":
+        prefix = "gpt_neox." if "gpt_neox.layers" in names else ""
         if f"{prefix}layers" not in names:
+            raise PlanError(f"{type(model).__name__} (gpt_neox) has no 'layers' block list where the "
+                            f"GPT-NeoX plan expects it")
+        heads = [n for n in ("lm_head", "embed_out") if n in names]  # embed_out: older transformers
+        return gpt_neox_plan(prefix, heads[0] if heads else None)
+    if family in ("llama", "olmo2", "phi3"):
+        prefix = "model." if "model.layers" in names else ""
+        if f"{prefix}layers.0" not in names:
             raise PlanError(f"{type(model).__name__} ({model_type}) has no 'layers' block list where the "
                             f"Llama-family plan expects it")
-        qk_norm = any(n.endswith(("self_attn.q_norm", "self_attn.k_norm")) for n in names)
-        return llama_plan(prefix, "lm_head" in names, qk_norm)
+        norms = tuple(n for n in BLOCK_NORMS if isinstance(names.get(f"{prefix}layers.0.{n}"), nn.Module))
+        qk_norm = f"{prefix}layers.0.self_attn.q_norm" in names
+        return llama_plan(prefix, "lm_head" in names, qk_norm, norms,
+                          "colwise_norm" if family == "olmo2" else "head_shared", family == "phi3")
     prefix = "transformer." if "transformer.h" in names else ""
     if f"{prefix}h" not in names:
         raise PlanError(f"{type(model).__name__} (gpt2) has no 'h' block list where the GPT-2 plan expects it")
@@ -181,12 +242,32 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
 
 
+def _overrides(module: nn.Module, base: type) -> bool:
+    return type(module).forward is not base.forward
+
+
 def _check_module_type(name: str, module: nn.Module, style: str) -> None:
+    """The module is of the kind the style replaces, and its forward is that kind's: a subclass that
+    overrides forward would be replaced by a layer that does not do what its forward adds."""
+    from .embedding import embedding_scale
+    from .norms import is_known_rms_norm
+
+    cls = type(module).__name__
     if style in LINEAR_STYLES and not (isinstance(module, nn.Linear) or is_conv1d(module)):
-        raise PlanError(f"{name!r} is a {type(module).__name__}; style {style!r} needs an nn.Linear or a "
-                        f"Conv1D")
+        raise PlanError(f"{name!r} is a {cls}; style {style!r} needs an nn.Linear or a Conv1D")
+    if style in LINEAR_STYLES and isinstance(module, nn.Linear) and _overrides(module, nn.Linear):
+        raise PlanError(f"{name!r} is a {cls}, a subclass of nn.Linear whose forward differs from "
+                        f"nn.Linear's; style {style!r} would replace it by a parallel linear layer and "
+                        f"lose what its forward does: give it another style or parallelize it yourself")
     if style == "embedding" and not isinstance(module, nn.Embedding):
-        raise PlanError(f"{name!r} is a {type(module).__name__}; style 'embedding' needs an nn.Embedding")
+        raise PlanError(f"{name!r} is a {cls}; style 'embedding' needs an nn.Embedding")
+    if style == "embedding" and _overrides(module, nn.Embedding) and embedding_scale(module) is None:
+        raise PlanError(f"{name!r} is a {cls}, a subclass of nn.Embedding whose forward differs from "
+                        f"nn.Embedding's (and is not a known scaled word embedding); style 'embedding' "
+                        f"would replace it by a vocab-parallel embedding and lose what its forward does")
+    if style in NORM_STYLES and not is_known_rms_norm(module):
+        raise PlanError(f"{name!r} is a {cls}; style {style!r} replaces it by a sharded RMSNorm and "
+                        f"knows only OLMo 2's RMSNorm (weight * x / rms(x), computed in fp32)")
     if style == "embedding" and (module.max_norm is not None or module.sparse):
         raise PlanError(f"{name!r}: a vocab-parallel embedding supports neither max_norm nor sparse")
     if style == "blocks" and not isinstance(module, nn.ModuleList):

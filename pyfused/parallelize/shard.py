@@ -5,9 +5,10 @@ A ``ShardSpec`` maps the original (full) tensor to this rank's local one and bac
   * ``dim=None``: replicated, local == full;
   * ``dim=d``: the full tensor (after ``transpose`` -- GPT-2's ``Conv1D`` stores ``[in, out]``, our
     layers ``nn.Linear``'s ``[out, in]``) is cut along ``d`` into ``parts`` equal groups (3 for a fused
-    q|k|v projection, else 1) and rank r keeps chunk r of every group, concatenated. For a fused
-    q|k|v that gives each rank its own heads of q, k and v, in that order, so the attention code's
-    ``split(local_width)`` still finds q, k, v;
+    q|k|v projection, 2 for a fused gate|up, else 1) -- or into groups of the given ``sections``
+    sizes (a fused q|k|v of grouped-query attention: q wider than k and v) -- and rank r keeps chunk
+    r of every group, concatenated. For a fused q|k|v that gives each rank its own heads of q, k and
+    v, in that order, so the attention code's split of the local output still finds q, k, v;
   * ``replicas=k`` (KV heads replicated when TP > KV heads): the tensor is cut into ``world / k``
     chunks and rank r keeps chunk ``r // k``, so k consecutive ranks hold the same chunk;
   * ``padded=P`` (a vocabulary TP does not divide): before the cut the tensor is zero-padded along
@@ -37,6 +38,7 @@ class ShardSpec:
     rank: int = 0
     replicas: int = 1
     padded: int = 0  # size along dim after zero-padding (0: none)
+    sections: tuple = ()  # full sizes of the groups along dim (unequal parts; default: ``parts`` equal)
 
     @property
     def chunks(self) -> int:
@@ -52,7 +54,7 @@ class ShardSpec:
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
             t = torch.cat([t, t.new_zeros(pad)], dim=self.dim)
-        groups = t.chunk(self.parts, dim=self.dim)
+        groups = t.split(list(self.sections), dim=self.dim) if self.sections else t.chunk(self.parts, dim=self.dim)
         return torch.cat([g.chunk(self.chunks, dim=self.dim)[self.rank // self.replicas] for g in groups],
                          dim=self.dim)
 
@@ -64,10 +66,14 @@ class ShardSpec:
             stacked = local.new_empty((self.world * local.numel(),))
             comm.all_gather_single(stacked, local.contiguous().view(-1), group=pg)
             pieces = [p.view(local.shape) for p in stacked.chunk(self.world)]
-            split = [p.chunk(self.parts, dim=self.dim) for p in pieces]
+            if self.sections:
+                local_sections = [s // self.chunks for s in self.sections]
+                split = [p.split(local_sections, dim=self.dim) for p in pieces]
+            else:
+                split = [p.chunk(self.parts, dim=self.dim) for p in pieces]
             holders = range(0, self.world, self.replicas)  # one rank per distinct chunk
             full = torch.cat([torch.cat([split[r][j] for r in holders], dim=self.dim)
-                              for j in range(self.parts)], dim=self.dim)
+                              for j in range(len(split[0]))], dim=self.dim)
             if self.padded:
                 layout = self.full_shape[::-1] if self.transpose else self.full_shape
                 full = full.narrow(self.dim, 0, layout[self.dim])

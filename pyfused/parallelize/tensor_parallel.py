@@ -16,8 +16,12 @@ import torch.nn as nn
 
 from .._logging import logger
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from .embedding import VocabParallelEmbedding, VocabParallelHead, padded_vocab
-from .plans import ATTENTION_STYLES, HEAD_ATTRIBUTES, LINEAR_STYLES, ResolvedPlan, is_conv1d
+from .embedding import VocabParallelEmbedding, VocabParallelHead, embedding_scale, padded_vocab
+from .norms import ColumnShardedRMSNorm
+from .plans import (
+    ATTENTION_STYLES, HEAD_ATTRIBUTES, INTERLEAVED_QKV, LINEAR_STYLES, NORM_STYLES, ResolvedPlan,
+    is_conv1d,
+)
 from .sequence import (
     LocalInputColumn, SequenceParallelColumn, SequenceParallelRow, gather_for_local_columns,
     gather_from_sequence_shard, scatter_to_sequence_shard,
@@ -60,6 +64,54 @@ def kv_replicas(model: nn.Module, tp: int) -> int:
     return tp // kv if kv and kv < tp and tp % kv == 0 else 1
 
 
+def qkv_sections(model: nn.Module, name: str, width: int):
+    """(q, k, v) widths of a fused [q|k|v] projection of ``width`` outputs, from the config's head
+    counts, or a message saying why they do not fit."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in INTERLEAVED_QKV:
+        return (f"{name}: style 'colwise_qkv' assumes a [q|k|v] layout, but {model_type}'s fused "
+                f"projection interleaves q, k and v per head ([q0 k0 v0 | q1 k1 v1 ...]); use 'colwise' "
+                f"(contiguous rows are whole heads) with an 'attention' entry on its attention module")
+    heads, kv = head_counts(model)
+    if heads is None:
+        if width % 3:
+            return f"{name}: style 'colwise_qkv' needs out_features divisible by 3, got {width}"
+        return (width // 3,) * 3
+    head_dim, rest = divmod(width, heads + 2 * kv)
+    if rest or getattr(config, "head_dim", None) not in (None, head_dim):
+        return (f"{name}: out_features={width} is not (num_attention_heads + 2 * num_key_value_heads) "
+                f"x head_dim = ({heads} + 2 x {kv}) x {getattr(config, 'head_dim', None) or '?'}: not "
+                f"the fused [q|k|v] layout style 'colwise_qkv' splits")
+    return heads * head_dim, kv * head_dim, kv * head_dim
+
+
+def _linear_problem(model: nn.Module, name: str, m: nn.Module, style: str, tp: int,
+                    replicas: int) -> Optional[str]:
+    """Why a linear style cannot shard ``m`` over ``tp`` ranks (each fused part must divide), or None."""
+    fin, fout = _linear_dims(m)
+    parts = (fin,) if style == "rowwise" else (fout,)
+    if style == "colwise_qkv":
+        parts = qkv_sections(model, name, fout)
+        if isinstance(parts, str):
+            return parts
+        if replicas > 1:
+            return (f"{name}: a fused [q|k|v] projection needs num_key_value_heads divisible by the "
+                    f"tensor-parallel size {tp} (KV heads are replicated only for separate k/v "
+                    f"projections)")
+    if style == "colwise_gate_up":
+        ffn = getattr(getattr(model, "config", None), "intermediate_size", None)
+        if fout % 2 or ffn not in (None, fout // 2):
+            return (f"{name}: style 'colwise_gate_up' needs out_features = 2 x the config's "
+                    f"intermediate_size ({ffn}), got {fout}: not a fused [gate|up] projection")
+        parts = (fout // 2,) * 2
+    what = ("in_features" if style == "rowwise" else "out_features") + (" part" if len(parts) > 1 else "")
+    bad = [p for p in parts if p % tp]
+    if bad:
+        return f"{name}: {what}={bad[0]} is not divisible by the tensor-parallel size {tp}"
+    return None
+
+
 def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: bool) -> Optional[str]:
     """The first reason TP of size ``tp`` cannot apply the plan to this model, or None."""
     modules = dict(model.named_modules())
@@ -79,16 +131,14 @@ def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: 
                     return f"{name} is tied to {ename} but their vocabulary sizes differ"
             continue  # any vocabulary: padded to a multiple of tp (embedding.py)
         if style in LINEAR_STYLES:
-            fin, fout = _linear_dims(m)
-            if style == "colwise_qkv":
-                if fout % 3:
-                    return f"{name}: style 'colwise_qkv' needs out_features divisible by 3, got {fout}"
-                fout //= 3
-            sharded, what = (fin, "in_features") if style == "rowwise" else (fout, "out_features")
-            if style == "colwise_qkv":
-                what = "out_features / 3"
-            if sharded % tp:
-                return (f"{name}: {what}={sharded} is not divisible by the tensor-parallel size {tp}")
+            problem = _linear_problem(model, name, m, style, tp, replicas)
+            if problem:
+                return problem
+        if style in NORM_STYLES:
+            width = m.weight.shape[0]
+            chunks = tp // replicas if style == "colwise_norm_kv" else tp
+            if width % chunks:
+                return f"{name}: width {width} is not divisible into {chunks} shards"
         if style in ATTENTION_STYLES:
             heads, kv = head_counts(model)
             if heads is None:
@@ -134,6 +184,28 @@ def _linear_layout(module: nn.Module) -> torch.Tensor:
     return module.weight.detach().t() if is_conv1d(module) else module.weight.detach()
 
 
+class LocalHeadsConfig:
+    """A read-through view of a shared model config with some attributes (this rank's head counts)
+    replaced; everything else, and later changes to the shared config, read from it."""
+
+    def __init__(self, base, **overrides):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"the attention module's view of the config is read-only ({name}); "
+                             f"change the model's config instead")
+
+    def __repr__(self) -> str:
+        return f"LocalHeadsConfig({self._overrides}, of {type(self._base).__name__})"
+
+
 class TensorParallel:
     """What applying TP did to a model: the per-key specs and the hooks it installed."""
 
@@ -145,15 +217,17 @@ class TensorParallel:
         self.hooks: list = []
         self.kv_replicas = 1  # set by apply from the model's head counts
 
-    def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1, padded=0) -> ShardSpec:
+    def spec(self, full_shape, dim=None, parts=1, transpose=False, replicas=1, padded=0,
+             sections=()) -> ShardSpec:
         return ShardSpec(tuple(full_shape), dim, parts, transpose, self.world, self.rank, replicas,
-                         padded)
+                         padded, tuple(sections))
 
     def apply(self, model: nn.Module, resolved: ResolvedPlan, install_region: bool = True) -> None:
         """Shard ``model`` in place. ``install_region=False`` leaves entering/leaving the sequence-parallel
         region to the caller (the pipeline does it per stage)."""
         styles = resolved.styles
         self.kv_replicas = kv_replicas(model, self.world)
+        self.model = model
         block_list = resolved.blocks[0] if resolved.blocks else None
         modules = dict(model.named_modules())
         embeddings = {}  # id(original weight) -> new embedding module
@@ -171,13 +245,16 @@ class TensorParallel:
                     new.weight = embeddings[id(m.weight)].weight  # tied: the same vocab rows here
             elif style == "embedding":
                 new = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
-                                             group=self.pg, device=m.weight.device, dtype=m.weight.dtype)
+                                             group=self.pg, device=m.weight.device, dtype=m.weight.dtype,
+                                             embed_scale=embedding_scale(m))
                 spec = self.spec(m.weight.shape, dim=0, padded=padded_vocab(m.num_embeddings, self.world))
                 with torch.no_grad():
                     new.weight.copy_(spec.shard(m.weight.detach()))
                 self.param_specs[id(new.weight)] = spec
                 embeddings[id(m.weight)] = new
                 _set_submodule(model, name, new)
+            elif style in NORM_STYLES:
+                _set_submodule(model, name, self._column_norm(m, style))
             elif style in ATTENTION_STYLES:
                 heads.append(name)
                 self._divide_heads(name, m)
@@ -207,7 +284,8 @@ class TensorParallel:
         has_bias = m.bias is not None
         factory = {"device": m.weight.device, "dtype": m.weight.dtype, "overlap": self.overlap}
         conv = is_conv1d(m)
-        parts = 3 if style == "colwise_qkv" else 1
+        parts = 2 if style == "colwise_gate_up" else 1
+        sections = qkv_sections(self.model, "", fout) if style == "colwise_qkv" else ()
         # KV heads replicated on `replicas` ranks: the layer is built `replicas` times as wide, so
         # that its local share (out / world) is one chunk of out / (world / replicas) features
         replicas = self.kv_replicas if style == "colwise_kv" else 1
@@ -230,9 +308,9 @@ class TensorParallel:
                 new = cls(fin, fout * replicas, has_bias, group=self.pg, gather_output=gather,
                           sequence_parallel=seq, **factory)
             wspec = self.spec(m.weight.shape, dim=0, parts=parts, transpose=conv, replicas=replicas,
-                              padded=padded)
-            bspec = (self.spec(m.bias.shape, dim=0, parts=parts, replicas=replicas, padded=padded)
-                     if has_bias else None)
+                              padded=padded, sections=sections)
+            bspec = (self.spec(m.bias.shape, dim=0, parts=parts, replicas=replicas, padded=padded,
+                               sections=sections) if has_bias else None)
         with torch.no_grad():
             new.weight.copy_(wspec.shard(m.weight.detach()))
             if has_bias:
@@ -246,6 +324,21 @@ class TensorParallel:
                 self.hooks.append(handle)
         return new
 
+    def _column_norm(self, m: nn.Module, style: str) -> nn.Module:
+        replicas = self.kv_replicas if style == "colwise_norm_kv" else 1
+        width = m.weight.shape[0]
+        spec = self.spec(m.weight.shape, dim=0, replicas=replicas)
+        new = ColumnShardedRMSNorm(width, width * replicas // self.world, m.variance_epsilon,
+                                   group=self.pg, replicas=replicas, device=m.weight.device,
+                                   dtype=m.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(spec.shard(m.weight.detach()))
+        self.param_specs[id(new.weight)] = spec
+        handle = sum_grad_over_replicas(new.weight, spec, self.pg)
+        if handle is not None:
+            self.hooks.append(handle)
+        return new
+
     def _divide_heads(self, name: str, m: nn.Module) -> None:
         changed = []
         for attr in HEAD_ATTRIBUTES:
@@ -254,6 +347,15 @@ class TensorParallel:
                 new = v * self.kv_replicas // self.world if attr == "num_key_value_heads" else v // self.world
                 setattr(m, attr, new)
                 changed.append(f"{attr} {v}->{new}")
+        config = getattr(m, "config", None)
+        if getattr(config, "num_attention_heads", None) is not None:
+            # the module's own view of the config with this rank's head counts (Phi-3's attention
+            # reads config.num_attention_heads at forward time); the shared config is untouched
+            heads, kv = head_counts(self.model)
+            m.config = LocalHeadsConfig(config, num_attention_heads=heads // self.world,
+                                        num_key_value_heads=kv * self.kv_replicas // self.world)
+            changed.append(f"config head counts {heads}/{kv}->{m.config.num_attention_heads}/"
+                           f"{m.config.num_key_value_heads} (module's view)")
         groups = getattr(m, "num_key_value_groups", None)
         if self.kv_replicas > 1 and isinstance(groups, int) and not isinstance(groups, bool):
             # query heads per local KV head: (heads / tp) / (kv * replicas / tp)

@@ -1,0 +1,106 @@
+"""Benchmark of the fused ops with W virtual ranks on one GPU (pyfused/fused/virtual_ranks.py).
+
+Each fused op at W = 2, 4, 8 against the same op's unfused composition on the same harness: the same
+streams, the same SM share per rank (SMs // W for the fused kernels; torch's own kernels are not
+capped), the same memory. Every row's transport is ``virtual-ranks (1 GPU)``: the "peers" are
+streams of one context, so the collective moves bytes at the GPU's copy bandwidth, not a link's.
+What the rows show is the schedules' cost and overlap with truly concurrent ranks, not a speed on
+a multi-GPU node. ``speedup`` = the unfused time / the fused time, both measured in this run.
+
+Shapes: a Llama-3 70B TP=8 rank's GEMM (rows per rank 512, N 1280, K 8192: the QKV projection) and
+its hidden size 8192 for all_reduce_add_rmsnorm (512 rows); ``--quick``: 128 rows. bf16 by default.
+On CPU the fused kernels would run in the interpreter: the suite emits ``skipped`` rows.
+
+``python benchmarks/bench_virtual_ranks.py --warm`` runs every case once at every W in bf16 and fp16
+at the test and benchmark shapes: it fills the Triton cache that benchmarks/gpu_check.sh carries.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List
+
+import torch
+
+from pyfused.bench.harness import BenchContext, op_row, time_interleaved
+
+MULTI_RANK = False
+
+TRANSPORT = "virtual-ranks (1 GPU)"
+WORLDS = (2, 4, 8)
+GEMM_SHAPE = dict(rows=512, n=1280, k=8192)
+NORM_SHAPE = dict(rows=512, n=8192, k=0)
+QUICK_ROWS = 128
+SKIP_STATUS = "skipped: needs a CUDA GPU (virtual ranks are CUDA streams of one context)"
+
+
+def _shape(name: str, quick: bool) -> Dict[str, int]:
+    shape = dict(NORM_SHAPE if name.startswith("all_reduce_add_rmsnorm") else GEMM_SHAPE)
+    if quick:
+        shape["rows"] = QUICK_ROWS
+    return shape
+
+
+def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
+    from pyfused.fused.virtual_cases import max_rel_error, run_unfused
+
+    shape = _shape(name, ctx.quick)
+    inputs = case.make(group.world, shape["rows"], shape["n"], shape["k"], ctx.dtype, group.device, 0)
+    label = f"W={group.world} rows={shape['rows']} n={shape['n']}" + (f" k={shape['k']}" if shape["k"] else "")
+    common = dict(shape=label, dtype=ctx.dtype, transport=TRANSPORT, world=group.world, case=name,
+                  sm_budget=group.sm_budget)
+    fused = group.run(case.fused, inputs)  # first call: builds the tables, checks the timeouts
+    unfused = run_unfused(group, case, inputs)
+    torch.cuda.synchronize()
+    err = max_rel_error(fused, unfused)
+    times = time_interleaved({
+        "unfused": lambda: run_unfused(group, case, inputs),
+        "fused": lambda: group.launch(case.fused, inputs, threads=False),
+    }, ctx)
+    group.run(case.fused, inputs)  # the timed calls' wait timeouts, if any, raise here
+    flop = case.flop(group.world, shape["rows"], shape["n"], shape["k"])
+    return [op_row(ctx, **common, method="unfused", ms=times["unfused"], flop=flop,
+                   t_baseline=times["unfused"]),
+            op_row(ctx, **common, method="fused", ms=times["fused"], flop=flop,
+                   t_baseline=times["unfused"], note=f"max rel. diff vs unfused {err:.2e}")]
+
+
+def run(ctx: BenchContext) -> List[dict]:
+    from pyfused.fused.virtual_cases import CASES
+    from pyfused.fused.virtual_ranks import VirtualGroup
+
+    if ctx.device.type != "cuda":
+        return [op_row(ctx, shape=f"W={w}", dtype=ctx.dtype, method=m, transport=TRANSPORT, ms=None,
+                       status=SKIP_STATUS, case=name, world=w)
+                for name in CASES for w in WORLDS for m in ("unfused", "fused")]
+    rows = []
+    for w in WORLDS:
+        group = VirtualGroup(w, ctx.device)
+        try:
+            for name, case in CASES.items():
+                rows += _bench_case(ctx, group, name, case)
+        finally:
+            group.free()
+    return rows
+
+
+def warm(dtypes=(torch.bfloat16, torch.float16)) -> None:
+    """Run every case once per W and dtype at the shapes the tests and this suite use (compiles
+    every Triton variant they need into the cache)."""
+    from pyfused.fused.virtual_cases import CASES
+    from pyfused.fused.virtual_ranks import VirtualGroup
+
+    test_shape = dict(rows=384, n=1280, k=1024)  # tests/test_virtual_ranks.py GPU_SHAPE
+    for dtype in dtypes:  # bf16 first: the benchmark's dtype, in case the step runs out of time
+        for w in WORLDS:
+            group = VirtualGroup(w, "cuda")
+            for name, case in CASES.items():
+                for shape in (test_shape, _shape(name, False)):
+                    shape = dict(shape, k=shape["k"] or 1)
+                    group.run(case.fused, case.make(w, shape["rows"], shape["n"], shape["k"], dtype,
+                                                    group.device, 0))
+                print(f"warm: W={w} {dtype} {name}", flush=True)
+            group.free()
+
+
+if __name__ == "__main__" and "--warm" in sys.argv:
+    warm()

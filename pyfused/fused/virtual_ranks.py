@@ -1,0 +1,252 @@
+"""Virtual ranks: W ranks of the fused kernels and schedules inside ONE process, on one device.
+
+The device machines lent to this project have one GPU. Several processes sharing it time-slice: a
+kernel that spins on a peer's flag progresses only when the peer's context gets its slice, and two
+ranks' kernels never run at the same moment, so the ordering and race bugs of the fused schedules
+cannot show. Here the W ranks are W CUDA streams of one context instead:
+
+  * rank r runs on its own stream (``streams[r]``) and, through ``streams.owned_by``, has its own
+    side streams (comm stream, push streams);
+  * every fused kernel of rank r is capped at ``sm_budget`` programs (``config.sm_budget``; default
+    SMs // W), so all ranks' persistent, spinning kernels are resident together and truly concurrent;
+  * the peers' symmetric buffers and signal pads are ordinary zeroed allocations of this context,
+    one per rank and size class, shared by every rank's ``SymmetricBuffer`` (backend "virtual");
+    each rank keeps its own epochs, as a process would;
+  * ``run`` launches every rank from its own host thread, all before any host synchronization: a
+    host-blocking step inside one rank's call (a pageable copy) blocks only that rank's thread, never
+    another rank's launch. Then it joins the threads, synchronizes the device and reports the
+    kernels' wait timeouts. ``launch(..., threads=False)`` queues the ranks in order from one thread
+    without a sync (timing loops, once a first call has built every table).
+
+A barrier between ranks therefore costs microseconds, as on a real node, and the adversarial modes
+make the schedules' assumptions fail loudly: ``delay`` holds one rank back (a sleep kernel on its
+stream before its launch), ``poison`` fills every rank's buffers with NaN before a call, and
+``skip`` leaves one rank out, so its peers' waits must end in a timeout naming rank, peer and slot.
+
+On CPU the same harness runs the CPU models: the CPU kernels of ``pyfused::all_reduce_rows`` /
+``symm_barrier`` (their waits spin in C++ with the GIL released, so the rank threads meet at each
+barrier) and the Triton interpreter (which runs programs one after another; the fused schedules
+set every flag before a kernel reads it on CPU, and the launchers serialize interpreted launches).
+That covers the harness's plumbing -- rank -> stream -> buffer tables, SM budgets, epochs across
+calls -- in CI; only the concurrency itself needs the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..comm import streams
+from ..comm.group import InProcessRank
+from ..comm.symmetric import MAX_WORLD, PAD_BYTES, Mapping, SymmetricBuffer
+from . import config
+
+BACKEND = "virtual"
+_group_ids = itertools.count()
+
+
+class VirtualRank(InProcessRank):
+    """Rank ``rank`` of a ``VirtualGroup``: what the fused methods take as ``group``."""
+
+    def __init__(self, group: "VirtualGroup", rank: int):
+        self.group = group
+        self.rank = rank
+        self.world = group.world
+        self.group_name = f"{group.name}/r{rank}"
+
+    def symmetric_buffer(self, data_bytes: int, device: torch.device) -> SymmetricBuffer:
+        if torch.device(device) != self.group.device:
+            raise ValueError(f"{self.group_name} serves {self.group.device}, not {device}")
+        return self.group.buffer(self.rank, data_bytes)
+
+    def __repr__(self) -> str:
+        return f"VirtualRank({self.rank}/{self.world} of {self.group.name})"
+
+
+@dataclass
+class _SizeClass:
+    buffers: List[SymmetricBuffer]
+    ready: Optional["torch.cuda.Event"]  # the zeroing of the allocations, on the creating stream
+    waited: List[bool]                    # whether rank r's stream already waits for ``ready``
+
+
+def default_sm_budget(world: int, device: torch.device) -> int:
+    """About SMs / W programs per rank (at least 1); the interpreter's default on CPU."""
+    if device.type != "cuda":
+        return config.INTERPRETER_PROGRAMS
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // world)
+
+
+class VirtualGroup:
+    """W virtual ranks on ``device`` (see the module docstring)."""
+
+    def __init__(self, world: int, device=None, sm_budget: Optional[int] = None):
+        if not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"world must be an int in [1, {MAX_WORLD}], got {world!r}")
+        device = torch.device(device if device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.world = world
+        self.device = device
+        self.name = f"virtual{next(_group_ids)}"
+        self.sm_budget = sm_budget or default_sm_budget(world, device)
+        self.ranks = [VirtualRank(self, r) for r in range(world)]
+        self.streams = ([torch.cuda.Stream(device) for _ in range(world)] if device.type == "cuda"
+                        else [None] * world)
+        self._lock = threading.Lock()
+        self._sizes: Dict[int, _SizeClass] = {}
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def buffer(self, rank: int, data_bytes: int) -> SymmetricBuffer:
+        """Rank ``rank``'s buffer of size class ``data_bytes``; the first rank to ask allocates
+        every rank's (zeroed on its stream; each rank's stream waits for that once)."""
+        with self._lock:
+            size = self._sizes.get(data_bytes)
+            if size is None:
+                size = self._sizes[data_bytes] = self._allocate(data_bytes)
+            if size.ready is not None and not size.waited[rank]:
+                torch.cuda.current_stream(self.device).wait_event(size.ready)
+                size.waited[rank] = True
+            return size.buffers[rank]
+
+    def _allocate(self, data_bytes: int) -> _SizeClass:
+        total = data_bytes + PAD_BYTES
+        allocs = [torch.zeros(total, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        ptrs = [t.data_ptr() for t in allocs]
+        buffers = [SymmetricBuffer(self.ranks[r], data_bytes, self.device, BACKEND,
+                                   Mapping(allocs[r], list(allocs), ptrs),
+                                   (self.ranks[r].group_name, str(self.device), BACKEND, data_bytes))
+                   for r in range(self.world)]
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+            for stream in self.streams:
+                for t in allocs:
+                    t.record_stream(stream)
+        return _SizeClass(buffers, ready, [False] * self.world)
+
+    def buffers(self) -> List[List[SymmetricBuffer]]:
+        """Every size class's buffers, rank by rank (smallest class first)."""
+        with self._lock:
+            return [self._sizes[k].buffers for k in sorted(self._sizes)]
+
+    def poison(self) -> None:
+        """Fill every rank's data areas (not the signal pads) with NaN: 0xFF bytes are NaN in fp32,
+        fp16 and bf16 alike. Stream-ordered (current stream) before the next launch."""
+        for size in self.buffers():
+            for buf in size:
+                buf.local_view().fill_(0xFF)
+
+    def free(self) -> None:
+        """Free every buffer (``SymmetricBuffer.free``: after the device finished with them)."""
+        with self._lock:
+            sizes, self._sizes = list(self._sizes.values()), {}
+        for size in sizes:
+            for buf in size.buffers:
+                buf.free()
+        for r in range(self.world):
+            streams.forget_owner(self._owner(r))
+
+    # -- launching --------------------------------------------------------------------------------
+
+    def _owner(self, rank: int):
+        return (self.name, rank)
+
+    @contextlib.contextmanager
+    def rank_context(self, rank: int) -> Iterator[VirtualRank]:
+        """Rank ``rank``'s stream, SM budget and side streams, for the calls made in the body."""
+        stream = self.streams[rank]
+        with contextlib.ExitStack() as stack:
+            if stream is not None:
+                stack.enter_context(torch.cuda.stream(stream))
+            stack.enter_context(config.sm_budget(self.sm_budget))
+            stack.enter_context(streams.owned_by(self._owner(rank)))
+            yield self.ranks[rank]
+
+    def launch(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
+               delay: Optional[int] = None, delay_s: float = 0.05, skip: Optional[int] = None,
+               threads: bool = True, timeout_s: float = 300.0) -> List[Any]:
+        """Queue ``fn(rank_handle, *args[r])`` for every rank r on its stream, all before any host
+        synchronization, and make the current stream wait for every rank's; no host sync.
+
+        threads: launch each rank from its own host thread (a host-blocking step inside one rank's
+        call then blocks only that rank); ``False`` launches them in rank order from this thread,
+        for timing calls already known not to block (warmed up). delay: that rank starts
+        ``delay_s`` late (a sleep kernel on its stream on a GPU, a host sleep on CPU). skip: that
+        rank does not take part (its result is None): a lost flag."""
+        args = list(args) or [()] * self.world
+        if len(args) != self.world:
+            raise ValueError(f"args must hold one tuple per rank ({self.world}), got {len(args)}")
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for stream in self.streams:
+            if stream is not None:
+                stream.wait_stream(current)  # the inputs were made on the current stream
+        results: List[Any] = [None] * self.world
+        errors: List[Optional[BaseException]] = [None] * self.world
+
+        def one(r: int) -> None:
+            try:
+                with self.rank_context(r) as handle:
+                    if r == delay:
+                        _hold_back(self.device, delay_s)
+                    results[r] = fn(handle, *args[r])
+            except BaseException as e:  # reported below, rank by rank
+                errors[r] = e
+
+        ranks = [r for r in range(self.world) if r != skip]
+        if threads:
+            workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-rank{r}")
+                       for r in ranks]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(timeout_s)
+            stuck = [t.name for t in workers if t.is_alive()]
+            if stuck:
+                raise TimeoutError(f"{stuck} did not return within {timeout_s:.0f} s")
+        else:
+            for r in ranks:
+                one(r)
+        if current is not None:
+            for stream in self.streams:
+                current.wait_stream(stream)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise RuntimeError(f"virtual rank {r}/{self.world} failed: {type(e).__name__}: {e}"
+                               + (f" (and ranks {[q for q, _ in failed[1:]]})" if failed[1:] else "")
+                               ) from e
+        return results
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), **launch_kw
+            ) -> List[Any]:
+        """``launch`` from one thread per rank, then synchronize the device and raise the kernels'
+        recorded wait timeouts (``WaitTimeout``); the ranks' results."""
+        results = self.launch(fn, args, **launch_kw)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        from .gemm_collectives import TIMEOUTS
+
+        TIMEOUTS.check(sync=True)
+        return results
+
+    def epochs(self) -> List[List[int]]:
+        """Every size class's epoch on every rank (they move together: one per collective call)."""
+        return [[buf.epoch for buf in size] for size in self.buffers()]
+
+
+def _hold_back(device: torch.device, seconds: float) -> None:
+    if device.type == "cuda":
+        # _sleep counts clock cycles: ~1.5 GHz on current data-center GPUs, close enough for a delay.
+        torch.cuda._sleep(int(seconds * 1.5e9))
+    else:
+        import time
+
+        time.sleep(seconds)

@@ -1,0 +1,156 @@
+"""What ``parallelize`` did to each module, and which op method each parallel layer's call ran.
+
+``ParallelModel.report()`` returns a ``ParallelizeReport``: per module of the plan (on this rank's
+pipeline stage), the style applied, the module it became, its communication, and the method of its
+GEMM + collective op -- ``unfused``, ``decomposed`` or ``fused`` -- with the reason. A method the
+user asked for (``overlap="decomposed"``...) is reported as requested; under ``overlap="auto"`` the
+op chooses per call from the shapes it sees (pyfused.ops: the tuned entry, else a size rule), so
+the report shows the choices of the first call of the model, recorded by ``MethodRecorder``.
+``parallelize(..., verbose=True)`` prints the report on global rank 0 after parallelizing and again
+once the first call has recorded the methods.
+
+The recorder reads the ops' own account of their choice: every ``method="auto"`` decision is logged
+at debug level through pyfused's logger (pyfused/_logging.py). During the first call it lowers that
+logger's level to debug and attaches a filter that notes each choice against the module running it
+(forward pre/post hooks on the parallel layers) and drops the records the logger would not have
+emitted, so nothing new reaches the user's handlers.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.nn as nn
+
+from .._logging import logger
+
+# layer class -> (op whose method is chosen per call, or None; what it communicates)
+COMMUNICATION = {
+    "SequenceParallelColumn": ("all_gather_matmul", "all-gather of the sequence shard + GEMM "
+                               "(backward: GEMM + reduce-scatter)"),
+    "LocalInputColumn": (None, "local GEMM on the input its attention module gathered"),
+    "ColumnParallelLinear": (None, "local GEMM (backward: all-reduce of the input gradient, async "
+                             "under the weight-gradient GEMM unless overlap='unfused')"),
+    "VocabParallelHead": (None, "local GEMM + all-gather of the logits (vocabulary padded)"),
+    "SequenceParallelRow": ("matmul_reduce_scatter", "GEMM + reduce-scatter to the sequence shard"),
+    "RowParallelLinear": ("matmul_all_reduce", "GEMM + all-reduce"),
+    "VocabParallelEmbedding": (None, "lookup of this rank's rows + all-reduce"),
+    "ColumnShardedRMSNorm": (None, "all-reduce of the squares' sums over the full width"),
+}
+STYLE_NOTES = {
+    "sequence_parallel": "runs on the sequence shard; weight gradients all-reduced",
+    "head_shared": "replicated, runs on this rank's heads; gradients all-reduced",
+    "replicate": "replicated, full tensors",
+    "blocks": "sequence-parallel region / pipeline units",
+}
+_CHOICE_MARK = "method=auto chose"
+
+
+@dataclass
+class ModuleReport:
+    name: str
+    style: str
+    module: str  # class of the module after parallelize
+    communication: str
+    op: Optional[str] = None
+    method: str = ""  # unfused | decomposed | fused, or "" (no op with a method)
+    why: str = ""
+
+
+@dataclass
+class ParallelizeReport:
+    mesh: str
+    sequence_parallel: bool
+    overlap: str
+    modules: List[ModuleReport] = field(default_factory=list)
+
+    def methods(self) -> Dict[str, int]:
+        """How many modules ran each method (``unfused`` / ``decomposed`` / ``fused``)."""
+        counts: Dict[str, int] = {}
+        for m in self.modules:
+            if m.method:
+                counts[m.method] = counts.get(m.method, 0) + 1
+        return counts
+
+    def __str__(self) -> str:
+        head = (f"pyfused.parallelize: mesh {self.mesh}, sequence_parallel={self.sequence_parallel}, "
+                f"overlap={self.overlap!r}; methods: {self.methods() or 'none recorded yet'}")
+        width = max([len(m.name) for m in self.modules] + [6])
+        lines = [head]
+        for m in self.modules:
+            method = f" | {m.op}: {m.method} ({m.why})" if m.op else ""
+            lines.append(f"  {m.name:<{width}}  {m.style:<22} {m.module}: {m.communication}{method}")
+        return "\n".join(lines)
+
+
+def build_report(model: nn.Module, styles: Dict[str, str], mesh: str, sequence_parallel: bool,
+                 overlap: str, choices: Dict[str, Dict[str, Tuple[str, str]]]) -> ParallelizeReport:
+    report = ParallelizeReport(mesh, sequence_parallel, overlap)
+    modules = dict(model.named_modules())
+    for name, style in styles.items():
+        m = modules.get(name)
+        if m is None or getattr(m, "pyfused_placeholder", False):
+            continue  # on another pipeline stage
+        cls = type(m).__name__
+        op, what = COMMUNICATION.get(cls, (None, STYLE_NOTES.get(style, "")))
+        if style == "colwise_gather_output" and cls == "ColumnParallelLinear":
+            what = "local GEMM + all-gather of the logits (backward: all-reduce of the input gradient)"
+        if style in ("attention", "attention_sequence_sharded"):
+            what = "head counts divided" + (", input gathered once" if style == "attention" and
+                                            sequence_parallel else "")
+        row = ModuleReport(name, style, cls, what, op)
+        if op is not None:
+            if overlap != "auto":
+                row.method, row.why = overlap, "requested"
+            elif op in choices.get(name, {}):
+                row.method, row.why = choices[name][op]
+            else:
+                row.method, row.why = "", "not called yet"
+        report.modules.append(row)
+    return report
+
+
+class MethodRecorder(logging.Filter):
+    """Records the ops' ``method="auto"`` choices against the parallel layer that made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.current: List[str] = []
+        self.choices: Dict[str, Dict[str, Tuple[str, str]]] = {}
+        self.level = logging.WARNING
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if self.current and _CHOICE_MARK in str(record.msg) and len(args) >= 3:
+            self.choices.setdefault(self.current[-1], {}).setdefault(str(args[0]), (str(args[1]), str(args[2])))
+        return record.levelno >= self.level
+
+    @contextlib.contextmanager
+    def recording(self, model: nn.Module):
+        def enter(name):
+            def hook(module, args):
+                self.current.append(name)
+            return hook
+
+        def leave(module, args, output):
+            self.current.pop()
+
+        handles = []
+        for name, m in model.named_modules():
+            if COMMUNICATION.get(type(m).__name__, (None,))[0]:
+                handles.append(m.register_forward_pre_hook(enter(name)))
+                handles.append(m.register_forward_hook(leave))
+        self.level = logger.getEffectiveLevel()
+        before = logger.level
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(self)
+        try:
+            yield
+        finally:
+            logger.removeFilter(self)
+            logger.setLevel(before)
+            for h in handles:
+                h.remove()
+            self.current.clear()
