@@ -315,8 +315,9 @@ def test_sigstop_is_a_freeze(tmp_path):
 
 
 def test_non_communication_errors_pass_through():
-    """A module's own error inside a named block is not dressed up as a peer failure."""
-    from pyfused.comm import InputError, PeerFailure, failures_named
+    """A module's own error inside a named block is not dressed up as a peer failure; a backend's
+    is, by the context manager and by the decorator (over a ``pg`` or ``group_name`` argument)."""
+    from pyfused.comm import InputError, PeerFailure, failures_named, names_failures
 
     with pytest.raises(InputError):
         with failures_named("op", None):
@@ -324,6 +325,13 @@ def test_non_communication_errors_pass_through():
     with pytest.raises(ZeroDivisionError):
         with failures_named("op", None):
             1 / 0
+
+    @names_failures("op2")
+    def run(a, pg, method):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer")
+
+    with pytest.raises(PeerFailure, match=r"pyfused\.op2 \(unfused\).*Connection closed"):
+        run(1, None, "unfused")
     with pytest.raises(PeerFailure, match=r"pyfused\.op \(decomposed\).*Timed out"):
         with failures_named("op", None, "decomposed"):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms")

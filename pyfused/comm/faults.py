@@ -134,12 +134,13 @@ def peer_failure(e: BaseException, op: str, pg: Optional[dist.ProcessGroup], det
 
 
 def names_failures(op: str):
-    """Decorator form of ``failures_named`` for a registered op's implementation, whose arguments
-    include ``group_name`` (and ``method``, named in the message): one extra call on success."""
+    """Decorator form of ``failures_named`` for an op's implementation, whose arguments include its
+    group as ``group_name`` (a registered op) or ``pg``, and optionally ``method`` (named in the
+    message): one extra call on success."""
     def wrap(fn):
         params = list(inspect.signature(fn).parameters)
-        at_group, at_method = params.index("group_name"), (
-            params.index("method") if "method" in params else None)
+        at_group = params.index("group_name" if "group_name" in params else "pg")
+        at_method = params.index("method") if "method" in params else None
 
         @functools.wraps(fn)
         def named(*args, **kwargs):
@@ -149,7 +150,8 @@ def names_failures(op: str):
                 if not is_comm_failure(e):
                     raise
                 bound = dict(zip(params, args), **kwargs)
-                pg = group_from_name(bound.get(params[at_group], ""))
+                pg = bound.get(params[at_group])
+                pg = group_from_name(pg or "") if isinstance(pg, str) or pg is None else pg
                 detail = str(bound.get(params[at_method], "")) if at_method is not None else ""
                 raise peer_failure(e, op, pg, detail) from e
         # torch.library reads the schema from the signature: give it the types, evaluated in the
