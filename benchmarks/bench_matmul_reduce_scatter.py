@@ -1,7 +1,7 @@
 """Benchmark of ``pyfused.ops.matmul_reduce_scatter``:
 reduce_scatter(a @ b, dim=0): the row-parallel output side of a TP layer with sequence parallelism.
 
-Shapes: the Llama-3 layers this op runs (benchmarks/shapes.py), or ``--shapes``. Per shape: the GEMM
+Shapes: the Llama-3 layers this op runs (pyfused/bench/shapes.py), or ``--shapes``. Per shape: the GEMM
 alone, the collective alone, and methods unfused | decomposed | fused | auto, with TFLOP/s, algbw /
 busbw, speedup over unfused and overlap efficiency (pyfused/bench/gemm_collective.py).
 """

@@ -1,20 +1,25 @@
 """Pipeline schedules: step time and bubble, pyfused vs torch.distributed.pipelining.
 
-For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank) the same model, split
-the same way (an even split of identical blocks, so the theory's equal-stage assumption holds),
-runs with the same microbatch count m = 4p under both implementations in the same process group.
+For each schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, and the split-backward
+ones: ZB-H1, interleaved zero bubble and ZBV with 2 stages per rank, DualPipeV) the same model,
+split the same way (an even split of identical blocks, so the theory's equal-stage assumption
+holds), runs with the same microbatch count m = 4p under both implementations in the same process
+group. torch has no ZB-H1 class; its row runs torch's ``ScheduleInterleavedZeroBubble`` with one
+stage per rank (its ZB1P order), named in ``torch_schedule``.
 Rows carry, per implementation (``method``: torch | pyfused; ``shape``: schedule, p, v, m):
   * ``time_ms``: median step time (harness.time_fn: barrier, every rank, slowest rank per iteration);
   * ``speedup``: torch time / this time; ``vs_torch`` (pyfused rows): pyfused / torch (goal <= 1.0);
-  * ``bubble_theory`` = (p-1) / (v*m + p-1);
+  * ``bubble_theory``: (p-1) / (v*m + p-1) for the unsplit schedules; for the split ones the
+    idle fraction of pyfused's order replayed on the unit-time model (F = B = W), which for ZB-H1
+    is the paper's (p-1) / (3m + p-1) (pipeline/zero_bubble.py);
   * ``bubble_step``: 1 - compute_only_ms / step_ms, where ``compute_only_ms`` is the step's compute
     with no pipeline at all (m forward+backward passes of each rank's stages, slowest rank) -- the
     same for both implementations, so this is the apples-to-apples idle fraction including every
     transfer and scheduling overhead;
   * ``bubble_timeline`` (pyfused only): median over the timed steps of 1 - compute / step span
     (from recorded events, averaged over ranks), and ``timeline_png``: the step of median length
-    drawn (compute and transfers per rank); without matplotlib (or when drawing fails) the plot is
-    skipped, ``timeline_png`` is empty and ``note`` says why.
+    drawn (compute and transfers per rank; B and W in separate colours); without matplotlib (or
+    when drawing fails) the plot is skipped, ``timeline_png`` is empty and ``note`` says why.
 The candidates (torch step, pyfused step, compute only) alternate iteration by iteration, each
 timed by harness.time_fn, so a load change on a shared machine hits all three alike.
 
@@ -35,15 +40,25 @@ import torch.nn as nn
 from pyfused import comm
 from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, metadata, time_fn
-from pyfused.pipeline import (
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, bubble_theory, even_starts,
-    layer_units, split, timeline,
-)
-from pyfused.pipeline.plan import local_stages
+from pyfused import pipeline as pf
+from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
+from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order
+from pyfused.pipeline.zero_bubble import unit_bubble
 
 MULTI_RANK = True
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbh1", 1),
+             ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)]
+# schedule -> (pyfused class, torch class name, single stage per rank)
+CLASSES = {
+    "gpipe": ("ScheduleGPipe", "ScheduleGPipe", True),
+    "1f1b": ("Schedule1F1B", "Schedule1F1B", True),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", False),
+    "zbh1": ("ScheduleZBH1", "ScheduleInterleavedZeroBubble", True),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "ScheduleInterleavedZeroBubble", False),
+    "zbv": ("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", False),
+    "dualpipev": ("ScheduleDualPipeV", "ScheduleDualPipeV", False),
+}
 
 
 def build_model(width: int, blocks: int) -> nn.Sequential:
@@ -54,26 +69,28 @@ def build_model(width: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _ours(kind, mods, stage_ids, n_stages, m, device, pg):
-    stages = [PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
-    loss = nn.MSELoss()
-    if kind == "gpipe":
-        return ScheduleGPipe(stages[0], m, loss)
-    if kind == "1f1b":
-        return Schedule1F1B(stages[0], m, loss)
-    return ScheduleInterleaved1F1B(stages, m, loss)
+def _make(module, index, kind, mods, stage_ids, n_stages, m, device, pg):
+    stages = [module.PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
+    cls = getattr(module, CLASSES[kind][index])
+    single = CLASSES[kind][2] and not (index == 1 and kind == "zbh1")
+    return cls(stages[0] if single else stages, m, nn.MSELoss())
 
 
-def _torch(kind, mods, stage_ids, n_stages, m, device, pg):
+def _ours(*args):
+    return _make(pf, 0, *args)
+
+
+def _torch(*args):
     from torch.distributed import pipelining as tp
 
-    stages = [tp.PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
-    loss = nn.MSELoss()
-    if kind == "gpipe":
-        return tp.ScheduleGPipe(stages[0], m, loss)
-    if kind == "1f1b":
-        return tp.Schedule1F1B(stages[0], m, loss)
-    return tp.ScheduleInterleaved1F1B(stages, m, loss)
+    return _make(tp, 1, *args)
+
+
+def _theory(kind: str, p: int, v: int, m: int) -> float:
+    if kind not in SPLIT_BACKWARD:
+        return bubble_theory(p, m, v)
+    orders = {r: rank_order(kind, r, p, v, m, True) for r in range(p)}
+    return unit_bubble(orders, p, p * v, kind in V_SHAPED, True)
 
 
 def _compute_only(mods, stage_ids, x_mb, m: int):
@@ -146,7 +163,7 @@ def run(ctx: BenchContext) -> List[Dict]:
         if blocks < n_stages:
             continue
         starts = even_starts(len(layer_units(model)), n_stages)
-        stage_ids = local_stages(rank, p, v)
+        stage_ids = sorted(local_stages(rank, p, v, kind in V_SHAPED))
         g = torch.Generator().manual_seed(1)
         x = torch.randn(m * rows, width, generator=g).to(ctx.device)
         y = torch.randn(m * rows, width, generator=g).to(ctx.device)
@@ -188,7 +205,8 @@ def run(ctx: BenchContext) -> List[Dict]:
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
                    "dtype": "float32", "method": impl, "time_ms": med[impl],
                    "speedup": med["torch"] / med[impl],
-                   "bubble_theory": bubble_theory(p, m, v),
+                   "bubble_theory": _theory(kind, p, v, m),
+                   "torch_schedule": CLASSES[kind][1],
                    "bubble_step": 1 - med["compute"] / med[impl],
                    "bubble_timeline": float("nan"), "compute_only_ms": med["compute"],
                    "schedule": kind, "stages_per_rank": v, "microbatches": m, "width": width,

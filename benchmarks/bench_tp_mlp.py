@@ -19,7 +19,7 @@ round-robin (``time_interleaved``). One step is: forward, ``backward`` of a fixe
 (the input requires grad, so the input-gradient collectives are counted).
 
 TFLOP/s counts the two GEMMs, forward and backward: 3 x 2 GEMMs x 2*S*H*F/W = 12*S*H*F/W per rank.
-Shapes: the Llama-3 MLP sizes of benchmarks/shapes.py scaled as there (the MLP uses F, not the fused
+Shapes: the Llama-3 MLP sizes of pyfused/bench/shapes.py scaled as there (the MLP uses F, not the fused
 gate_up 2F, since it has no gate); ``--shapes MxKxN`` means S=M, H=K, F=N.
 """
 from __future__ import annotations
@@ -121,13 +121,13 @@ def auto_note(shape: MlpShape, ctx, sp: bool):
     empty = lambda *s: torch.empty(*s, device=ctx.device, dtype=ctx.dtype)  # noqa: E731
     f_local = shape.ffn // w
     if sp:
-        col = _common.prepare("all_gather_matmul", empty(shape.tokens // w, shape.hidden),
-                              empty(shape.hidden, f_local), ctx.group, "auto", False)[1]
-        row = _common.prepare("matmul_reduce_scatter", empty(shape.tokens, f_local),
-                              empty(f_local, shape.hidden), ctx.group, "auto", True)[1]
+        col = _common.prepare_matmul("all_gather_matmul", empty(shape.tokens // w, shape.hidden),
+                              empty(shape.hidden, f_local), ctx.group, "auto")[1]
+        row = _common.prepare_matmul("matmul_reduce_scatter", empty(shape.tokens, f_local),
+                              empty(f_local, shape.hidden), ctx.group, "auto")[1]
         return f"col chose {col.method}, row chose {row.method}", (col.method, row.method)
-    row = _common.prepare("matmul_all_reduce", empty(shape.tokens, f_local),
-                          empty(f_local, shape.hidden), ctx.group, "auto", False)[1]
+    row = _common.prepare_matmul("matmul_all_reduce", empty(shape.tokens, f_local),
+                          empty(f_local, shape.hidden), ctx.group, "auto")[1]
     return f"row chose {row.method}", (row.method,)
 
 

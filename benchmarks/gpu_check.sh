@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs: three self-contained device calls (docs/TESTBED.md has the exact
+# What a machine with a GPU runs: three self-contained device calls (docs/TESTBED.md has the exact
 # device-tool invocations). A fresh, bare machine per call, at most 10 minutes a call, 30 minutes in
 # all: so call 1 builds pyfused._C once and warms the Triton cache, and returns both through $OUT;
 # calls 2 and 3 carry them in (.gpu_carry/) and install in seconds with no rebuild.

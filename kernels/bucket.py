@@ -46,7 +46,7 @@ class BucketCopyConfig:
 
 # Launch configs as data, keyed by (target, element size of the wider side). GPU: 16 KiB read per
 # program keeps enough 16-byte loads in flight for a copy to reach bandwidth; none has been measured
-# in this repository yet (no GPU in the sessions so far). Interpreter: large blocks (fewer programs,
+# on a GPU yet. Interpreter: large blocks (fewer programs,
 # each run in numpy).
 CONFIGS = {
     ("cuda", 4): BucketCopyConfig(block=4096, num_warps=8),

@@ -1,4 +1,4 @@
-"""pyfused: fused collective-compute ops for PyTorch (see README.md and ARCHITECTURE.md)."""
+"""pyfused: fused collective-compute ops for PyTorch (see README.md and docs/ARCHITECTURE.md)."""
 import importlib
 
 from . import comm, ops
@@ -13,6 +13,7 @@ _LAZY = {
     "tune": ("pyfused.tune", None),
     "clip_grad_norm_": ("pyfused.clip_grad", "clip_grad_norm_"),
     "parallelize": ("pyfused.parallelize", "parallelize"),
+    "fully_shard": ("pyfused.fsdp", "fully_shard"),
 }
 
 

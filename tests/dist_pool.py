@@ -5,7 +5,7 @@
 bodies: ``pool.run(fn, *args)`` sends ``fn`` (a module-level function, pickled by name) to every rank,
 calls ``fn(rank, world_size, *args)`` there and returns the per-rank results in rank order.
 
-Spawning and joining a group costs seconds, so a pool is kept for the whole session and reused by
+Spawning and joining a group costs seconds, so a pool is kept for the whole test run and reused by
 every test of its world size. A test body that raises on some rank, or a rank that does not answer
 within ``timeout`` (a hang), fails the test with every rank's traceback and the pool is torn down --
 the group may be inconsistent -- and rebuilt for the next test.

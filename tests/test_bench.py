@@ -149,6 +149,28 @@ def _by(rows, **match):
     return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
+def test_overhead_suite_covers_every_op_and_method(tmp_path):
+    """The overhead suite: for every op of the registry, at world sizes 1 and 2, plain torch and
+    every method, with the ratio computed from the times of the same run."""
+    from pyfused.ops.registry import OPS
+
+    out = tmp_path / "out"
+    r = _run([sys.executable, "-m", "pyfused.bench", "--quick", "--world", "2", "--no-progress",
+              "--suites", "overhead", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = json.loads((out / "overhead.json").read_text())
+    seen = {(row["op"], row["world_size"], row["method"]) for row in rows}
+    assert seen == {(op, w, m) for op in OPS for w in (1, 2)
+                    for m in ("torch", "unfused", "decomposed", "fused", "auto")}
+    for row in rows:
+        if row["method"] == "fused":
+            assert row["status"] == "unavailable" and row["time_ms"] is None
+            continue
+        assert row["status"] == "ok" and row["us_per_call"] > 0
+        assert row["overhead_x"] == pytest.approx(row["us_per_call"] / row["torch_us"])
+        assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
+
+
 def test_cli_quick_end_to_end(tmp_path):
     """Self-spawned 2 gloo ranks, --quick: a table on stdout, CSV+JSON with the metadata columns,
     exactly one row per (shape, method), and columns that agree with the formulas."""
@@ -168,7 +190,7 @@ def test_cli_quick_end_to_end(tmp_path):
     for row in rows:
         for col in META:
             assert row.get(col) not in (None, ""), (col, row)
-        assert row["world"] == 2 and row["backend"] == "gloo" and row["validate"] is True
+        assert row["world"] == 2 and row["backend"] == "gloo" and row["validate"] == "first"
         assert row["transport"] in ("gloo", "none", "symm-mem")
 
     for op, coll in OP_SUITES.items():
@@ -269,7 +291,7 @@ def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     assert "MULTI_RANK" in rows["nomulti"]["status"]
     assert rows["ok"]["status"] == "ok" and rows["ok"]["time_ms"] == 2.0  # the sum over 2 ranks
     assert rows["ok"]["world_seen"] == 2 and rows["ok"]["transport"] == "gloo"
-    assert rows["ok"]["validate"] is False  # --no-validate is recorded
+    assert rows["ok"]["validate"] == "off"  # --no-validate is recorded
     assert rows["single"]["status"] == "ok" and rows["single"]["transport"] == "none"
     assert rows["single"]["world"] == 1
     assert "boom on rank 1 only" in r.stderr and "2 suite(s) ok, 3 FAILED" in r.stdout

@@ -1,7 +1,7 @@
 """The op suites' torch symmetric-memory rows (pyfused/bench/peers.py), over 2 gloo ranks.
 
 torch's symm-mem ops run only on CUDA, so here gloo stand-ins take their place (same signatures and
-results). What is tested is the suite's plumbing, which a GPU session relies on: every part is
+results). What is tested is the suite's plumbing, which a run on a GPU relies on: every part is
 checked against the unfused output before it is timed; a part that fails or is wrong on *one* rank
 is dropped on every rank, with its reason; the rows carry transport "symm-mem"; and a method that
 runs on symmetric memory gets its speedup and overlap efficiency from the symm-mem rows, not from

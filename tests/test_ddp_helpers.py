@@ -6,7 +6,7 @@ also build every other rank's batch and train the single-process full-batch refe
 
 Models and batches live on ``tests.utils.device_of_ranks()``: the CPU with gloo ranks, the GPU when the
 pool runs NCCL (``PYFUSED_TEST_BACKEND=nccl``), so the same tests check the CUDA path (comm stream,
-Triton bucket kernel) in a session with a GPU. TF32 is turned off there: the references are fp32.
+Triton bucket kernel) on a machine with a GPU. TF32 is turned off there: the references are fp32.
 """
 from __future__ import annotations
 

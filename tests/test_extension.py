@@ -231,7 +231,7 @@ def test_compiled_graph_keeps_the_wait(flags_mod):
     assert f.tolist() == [3, 5, 0]  # the functionalized signal reached the input
 
 
-# --- CUDA (run on a GPU session: python -m pytest -m gpu tests/test_extension.py) --------------
+# --- CUDA (run on a machine with a GPU: python -m pytest -m gpu tests/test_extension.py) --------------
 
 
 @pytest.mark.gpu

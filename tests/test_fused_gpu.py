@@ -104,7 +104,7 @@ def _compiled_mlp_step(rank, world, backend, method="fused"):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"w{w}")
 def test_torch_compile_fused_gpu(ranks, world, backend):
-    """Issue 4: the ops work under torch.compile on GPU with the fused method (the CPU test with the
+    """The ops work under torch.compile on GPU with the fused method (the CPU test with the
     decomposed method is tests/test_ops_properties.py::test_torch_compile_decomposed)."""
     _need_nccl_pool(world)
     if world == 1:

@@ -4,10 +4,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pyfused.ops.registry import GEMM_OPS
+
 from tests.op_checks import check_against_reference
 from tests.utils import assert_close, rank_tensors
 
-OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+OPS = list(GEMM_OPS)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

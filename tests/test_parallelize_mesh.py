@@ -99,3 +99,11 @@ def test_pipeline_x_tensor_parallel_padded_vocabulary(ranks):
     # stage) must stay the same Parameter's shards across the stages
     assert all(ranks.run(4, _mesh_matches, "gpt2", (2, 2), ("pp", "tp"), True, {"n_microbatches": 2},
                          {"vocab_size": VOCAB + 1}, timeout=240))
+
+
+def test_pipeline_uneven_microbatches(ranks):
+    # a batch of 4 in 3 microbatches (rows 2, 1, 1) with padded labels: each microbatch's loss is its
+    # token sum over the whole batch's token count, so the losses add up to the full batch's mean and
+    # the gradients are the full batch's (a schedule that scaled them again would be off by m * rows)
+    assert all(ranks.run(2, _mesh_matches, "llama", (2,), ("pp",), False, {"n_microbatches": 3},
+                         timeout=240))

@@ -182,8 +182,8 @@ def error_case(rank, world, case):
     mods = [nn.Sequential(nn.Linear(widths[s], widths[s + 1])) for s in range(world)]
     m, x, y = 4, torch.randn(8, 12), torch.randn(8, widths[-1])
     kwargs = {}
-    if case == "indivisible":
-        x, y = torch.randn(10, 12), torch.randn(10, widths[-1])
+    if case == "too_few_rows":
+        x, y = torch.randn(3, 12), torch.randn(3, widths[-1])
     elif case == "wrong_shape":
         mods[1] = nn.Linear(20, 19)  # the next stage cannot take it
     elif case == "changing_shape":
@@ -212,7 +212,7 @@ def error_case(rank, world, case):
 
 
 ERRORS = {
-    "indivisible": ("InputError", "batch of 10"),
+    "too_few_rows": ("InputError", "batch of 3"),
     "microbatch_count": ("InputError", "n_microbatches differs between ranks"),
     "missing_target": ("InputError", "target"),
     "wrong_shape": ("PipelineError", "stage 2: its module failed"),
@@ -282,7 +282,8 @@ def test_benchmark_suite_quick(ranks, tmp_path):
     results = ranks.run(2, bench_quick, str(tmp_path), timeout=120)
     rows = results[0]
     assert [(r["schedule"], r["method"]) for r in rows] == [
-        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "pyfused")]
+        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "interleaved_zb", "zbv",
+                            "dualpipev") for impl in ("torch", "pyfused")]
     for r in rows:
         assert r["time_ms"] > 0 and r["compute_only_ms"] > 0
         if r["method"] == "pyfused":

@@ -148,7 +148,7 @@ def _tune_then_auto(rank, world, tmpdir):
         a_shape, b_shape = (16, 24), (24, 20)  # far below auto's size rule: untuned auto = unfused
         a = torch.randn(a_shape, generator=torch.Generator().manual_seed(rank))
         b = torch.randn(b_shape, generator=torch.Generator().manual_seed(10 + rank))
-        before = _common.prepare("matmul_all_reduce", a, b, None, "auto", False)[1]
+        before = _common.prepare_matmul("matmul_all_reduce", a, b, None, "auto")[1]
         assert before.method == "unfused", before
         # candidates: unfused, decomposed/c2, /c4, /c8 -> c4 measured fastest
         res = tune.tune("matmul_all_reduce", a_shape, b_shape, torch.float32,
@@ -157,7 +157,7 @@ def _tune_then_auto(rank, world, tmpdir):
         assert res.times_ms == {"unfused": 10.0, "decomposed/c2": 9.0, "decomposed/c4": 5.0,
                                 "decomposed/c8": 7.0}
         tune.reload()  # read back from the file, not the in-memory copy
-        choice = _common.prepare("matmul_all_reduce", a, b, None, "auto", False)[1]
+        choice = _common.prepare_matmul("matmul_all_reduce", a, b, None, "auto")[1]
         assert (choice.method, choice.chunks) == ("decomposed", 4), choice
         rec = _Recorder()
         y = ops.matmul_all_reduce(a, b, method="auto")
@@ -200,7 +200,7 @@ def _rank0_wins(rank, world, tmpdir):
         k = tune.key("all_gather_matmul", world, (4, 12), (12, 10), torch.float32,
                      torch.device("cpu"))
         tune.store({k: {"method": "decomposed" if rank == 0 else "unfused", "chunks": 0}})
-        out["choice"] = _common.prepare("all_gather_matmul", a, b, None, "auto", False)[1].method
+        out["choice"] = _common.prepare_matmul("all_gather_matmul", a, b, None, "auto")[1].method
         rec = _Recorder()
         ops.all_gather_matmul(a, b, method="auto")
         out["ran"] = rec.calls

@@ -4,10 +4,12 @@ import os
 import pytest
 import torch
 
+from pyfused.ops.registry import GEMM_OPS
+
 from tests.op_checks import error_of
 
 F32, F16 = torch.float32, torch.float16
-OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+OPS = list(GEMM_OPS)
 TIMEOUT = 30  # a hang would show as a timeout; the checks themselves take milliseconds
 
 CASES = {
@@ -51,7 +53,7 @@ def test_dim0_not_divisible_for_reduce_scatter(ranks, world):
 def test_unknown_method_and_fused_unavailable(ranks):
     errors = ranks.run(2, error_of, "all_gather_matmul", "fastest", [(4, 8)] * 2, [(8, 5)] * 2,
                        [F32] * 2, [F32] * 2, timeout=TIMEOUT)
-    assert len(set(errors)) == 1 and errors[0][0] == "ValueError" and "method must be" in errors[0][1]
+    assert len(set(errors)) == 1 and errors[0][0] == "InputError" and "method must be" in errors[0][1]
     errors = ranks.run(2, error_of, "all_gather_matmul", "fused", [(4, 8)] * 2, [(8, 5)] * 2,
                        [F32] * 2, [F32] * 2, timeout=TIMEOUT)
     assert len(set(errors)) == 1 and errors[0][0] == "MethodUnavailable", errors
@@ -144,4 +146,4 @@ def test_ranks_disagreeing_on_a_gradient_fail_before_backward_hangs(ranks):
     rank whose a does not would leave the others waiting in backward. Every rank raises instead."""
     msgs = ranks.run(2, _grad_differs, timeout=TIMEOUT)
     assert msgs[0] == msgs[1] and msgs[0] is not None, msgs
-    assert "whether a needs a gradient" in msgs[0] and "rank 0 has yes, rank 1 has no" in msgs[0]
+    assert "which inputs need a gradient" in msgs[0] and "rank 0 has a, rank 1 has none" in msgs[0]

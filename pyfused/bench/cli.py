@@ -87,12 +87,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--shapes", help="model names (llama3-8b, llama3-70b[.layer][@tpN]) or MxKxN literals; "
-                                    "see benchmarks/shapes.py")
+                                    "see pyfused/bench/shapes.py")
     p.add_argument("--iters", type=int, help="timed iterations per point")
     p.add_argument("--warmup", type=int, help="untimed iterations per point")
     p.add_argument("--no-validate", action="store_true",
-                   help="skip the ops' cross-rank input exchange while timing "
-                        "(pyfused.comm.set_validation(False)); recorded in every row")
+                   help="validation mode off while timing: no cross-rank input exchange at all "
+                        "(pyfused.comm.set_validation('off')); the mode is recorded in every row")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait for a peer inside a suite before it fails: "
                         "a dead or frozen rank fails the suite after this long (default: "
@@ -285,7 +285,8 @@ def worker(args: argparse.Namespace, modules: List[str], backend: str) -> int:
 def _run_all(args, modules, backend, rank, world, device) -> int:
     from .. import comm
 
-    comm.set_validation(not args.no_validate)
+    if args.no_validate:
+        comm.set_validation("off")  # otherwise the mode PYFUSED_VALIDATE set (default "first")
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     agreed = [modules]
     dist.broadcast_object_list(agreed, src=0, group=control)  # rank 0's list, even if paths differ
@@ -351,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("\n".join(available_suites()))
             return 0
         modules = select_suites(args.suites)
-        from pyfused.benchmarks import shapes
+        from pyfused.bench import shapes
 
         shapes.validate(args.shapes)
         backend = launch.resolve_backend(args.backend)

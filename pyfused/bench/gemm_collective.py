@@ -21,16 +21,13 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from .. import comm, ops
+from .. import comm
 from ..ops import _common
+from ..ops.registry import OPS
 from . import peers
 from .harness import BenchContext, op_row, tensor_bytes, time_interleaved
 
-COLLECTIVE = {
-    "all_gather_matmul": "all_gather",
-    "matmul_reduce_scatter": "reduce_scatter",
-    "matmul_all_reduce": "all_reduce",
-}
+COLLECTIVE = {name: spec.collective for name, spec in OPS.items() if spec.gemm}
 METHODS = ("unfused", "decomposed", "fused", "auto")
 
 # Agreement of a method's output with the unfused one, relative to max|unfused|. Loose: the
@@ -67,10 +64,10 @@ def comm_alone(op: str, ctx: BenchContext, a: torch.Tensor, m_full: int, n: int
                ) -> Callable[[], None]:
     """The op's collective on buffers of the sizes the op communicates."""
     w, g = ctx.world, ctx.group
-    if op == "all_gather_matmul":
+    if COLLECTIVE[op] == "all_gather":
         gathered = a.new_empty((w * a.shape[0], a.shape[1]))
         return lambda: comm.all_gather_single(gathered, a, group=g)
-    if op == "matmul_reduce_scatter":
+    if COLLECTIVE[op] == "reduce_scatter":
         full = torch.randn((m_full, n), device=a.device).to(a.dtype)
         out = full.new_empty((m_full // w, n))
         return lambda: comm.reduce_scatter_single(out, full, group=g)
@@ -79,18 +76,19 @@ def comm_alone(op: str, ctx: BenchContext, a: torch.Tensor, m_full: int, n: int
 
 
 def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
-    """All rows of one ``benchmarks.shapes.OpShape``."""
+    """All rows of one ``pyfused.bench.shapes.OpShape``."""
     op, dtype, w = shape.op, ctx.dtype, ctx.world
-    fn = getattr(ops, op)
+    fn = OPS[op].function
+    gathers = COLLECTIVE[op] == "all_gather"
     gen = torch.Generator().manual_seed(1000 + ctx.rank)
     a = torch.randn(shape.a, generator=gen).to(ctx.device, dtype)
     b = (torch.randn(shape.b, generator=gen) * shape.b[0] ** -0.5).to(ctx.device, dtype)
-    m_full = w * shape.a[0] if op == "all_gather_matmul" else shape.a[0]
+    m_full = w * shape.a[0] if gathers else shape.a[0]
     k, n = shape.a[1], shape.b[1]
     flop = 2.0 * m_full * n * k
     collective = COLLECTIVE[op]
     # nccl-tests' S: the gathered input (all-gather) or the unreduced product (the other two)
-    nbytes = tensor_bytes((m_full, k) if op == "all_gather_matmul" else (m_full, n), dtype)
+    nbytes = tensor_bytes((m_full, k) if gathers else (m_full, n), dtype)
     label = f"{shape.label} a={shape.a[0]}x{shape.a[1]} b={shape.b[0]}x{shape.b[1]}"
     common = dict(shape=label, dtype=dtype, flop=flop, collective=collective, nbytes=nbytes,
                   m=m_full, n=n, k=k, op=op)
@@ -108,8 +106,7 @@ def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
             continue
         agree_close(out, ref, f"{op}[{method}] at {shape.label}", ctx)
         if method == "auto":
-            choice = _common.prepare(op, a, b, ctx.group, "auto",
-                                     scatter_dim0=op == "matmul_reduce_scatter")[1]
+            choice = _common.prepare_matmul(op, a, b, ctx.group, "auto")[1]
             transports[method] = method_transport(choice.method, ctx)
             chunks = f", {choice.chunks} chunks" if choice.chunks else ""
             notes[method] = f"chose {choice.method}{chunks}: {choice.reason}"

@@ -1,4 +1,4 @@
-"""The one benchmark harness (CONVENTIONS.md #8). Suites in ``benchmarks/bench_<name>.py`` (installed
+"""The one benchmark harness. Suites in ``benchmarks/bench_<name>.py`` (installed
 as ``pyfused.benchmarks``) use only these pieces, so every number is timed, labelled and written the
 same way.
 
@@ -243,7 +243,7 @@ def metadata(ctx: BenchContext) -> Dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.backend == "nccl" else "",
         "commit": git_commit(),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "validate": comm.validation_enabled(),
+        "validate": comm.validation_mode(),
         "warmup": ctx.warmup,
         "iters": ctx.iters,
         "threads": torch.get_num_threads(),

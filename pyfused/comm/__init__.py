@@ -1,4 +1,4 @@
-"""Process groups, comm streams and cross-rank validation (see ARCHITECTURE.md)."""
+"""Process groups, comm streams and cross-rank validation (see docs/ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
 from .faults import (
     LocalWorkError, PeerFailure, agree_on_local_work, failures_named, group_timeout,
@@ -12,8 +12,8 @@ from .group import (
 from .symmetric import SymmetricBuffer, SymmetricUnavailable, symmetric_status
 from .streams import comm_stream, join_comm_stream, keep_alive, on_comm_stream
 from .validate import (
-    InputError, Signature, TensorMeta, agree, differs, exchange, op_code, set_validation,
-    validation_enabled,
+    MODES as VALIDATION_MODES, InputError, Signature, TensorMeta, agree, differs, exchange,
+    forget_seen, op_code, set_validation, validation_enabled, validation_mode,
 )
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
-    "set_validation", "validation_enabled", "world_size",
+    "set_validation", "validation_enabled", "validation_mode", "VALIDATION_MODES", "forget_seen",
+    "world_size",
 ]

@@ -8,25 +8,42 @@ runs the same check over the same list. The error message is a pure function of 
 rank raises the identical ``InputError``. Decisions that must agree across ranks (``method="auto"``,
 whether a fast path is usable everywhere) are made from the gathered list too.
 
-The exchange costs one tiny collective per call. It runs on the group's CPU backend where the group
-has one, and then costs no GPU synchronisation: with
-``init_process_group(backend="cpu:gloo,cuda:nccl")`` (torch's per-device backends; the groups and
-DeviceMeshes made from it inherit both) the ops' data goes over NCCL and their signatures over gloo.
-On a NCCL-only group the signatures go over NCCL and are read on the host, so the CPU waits for the
-GPU work queued before the op, once per call; the first such exchange logs this (INFO). pyfused
-does not make a gloo mirror of a group by itself: a mirror created lazily by the group's members
-alone (torch's ``use_local_synchronization``) advances torch's group counter on those ranks only,
-after which the next ``new_group`` gets different names on different ranks and hangs.
-``set_validation(False)`` or ``PYFUSED_VALIDATE=0`` skips the exchange for scripts known to be
-correct: the local checks still run, but ranks that disagree on shapes may then hang, as they would
-with plain torch.distributed.
+Modes (``set_validation(mode)`` or ``PYFUSED_VALIDATE``; the ops and layers follow them, see
+docs/ARCHITECTURE.md "Validation modes"):
+  * ``"first"`` (default): an op's signatures are exchanged on the first call of each distinct
+    (group, op, signature) and the agreed outcome (its method choice included) is remembered
+    (``seen``/``remember``); a call whose signature this rank has seen before costs one dictionary
+    lookup: no collective, no host sync. The outcome is remembered only after an exchange in which
+    every rank's signature passed the check, so every rank of the group holds the same set and ranks
+    that pass equal signatures always decide alike. Guarded: any bad input on a call whose signature
+    is new on every rank (the first call of a shape, method, option...), and a bad input on one rank
+    while the others pass a signature that is new to them too. Not guarded: a rank whose signature is
+    new while the others repeat one already seen (it enters the exchange, they enter the op's
+    collective), or ranks that each repeat a different seen signature (each runs its own collective).
+    Those mismatched collectives end when the process group's timeout expires (``timeout=`` of
+    ``init_process_group`` / ``new_group``): a bounded error, never an unbounded hang. ``"always"``
+    catches them with the same ``InputError`` everywhere.
+  * ``"always"``: exchange on every call (one small all-gather per call); for debugging.
+  * ``"off"``: local checks only, no exchange: ranks that disagree run mismatched collectives, as
+    with plain torch.distributed.
+``PYFUSED_VALIDATE`` takes the mode's name, or ``1`` (= ``first``) and ``0`` (= ``off``).
+
+The exchange runs on the group's CPU backend where the group has one, and then costs no GPU
+synchronisation: with ``init_process_group(backend="cpu:gloo,cuda:nccl")`` (torch's per-device
+backends; the groups and DeviceMeshes made from it inherit both) the ops' data goes over NCCL and
+their signatures over gloo. On a NCCL-only group the signatures go over NCCL and are read on the host,
+so the CPU waits for the GPU work queued before the op, once per exchange; the first such exchange
+logs this (INFO). pyfused does not make a gloo mirror of a group by itself: a mirror created lazily by
+the group's members alone (torch's ``use_local_synchronization``) advances torch's group counter on
+those ranks only, after which the next ``new_group`` gets different names on different ranks and
+hangs.
 """
 from __future__ import annotations
 
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,26 +63,74 @@ _DTYPES = [
 _DEVICES = [None, "cpu", "cuda", "meta", "other"]
 _op_names: Dict[int, str] = {}
 
-_enabled = os.environ.get("PYFUSED_VALIDATE", "1").strip().lower() not in ("0", "false", "off", "no")
+MODES = ("first", "always", "off")
+_MODE_ALIASES = {"1": "first", "true": "first", "on": "first", "yes": "first",
+                 "0": "off", "false": "off", "no": "off"}
+
+
+def _parse_mode(value) -> str:
+    if isinstance(value, bool):
+        return "first" if value else "off"
+    mode = _MODE_ALIASES.get(str(value).strip().lower(), str(value).strip().lower())
+    if mode not in MODES:
+        raise ValueError(f"validation mode must be one of {MODES} (or 1/0, True/False); got {value!r}")
+    return mode
+
+
+_mode = _parse_mode(os.environ.get("PYFUSED_VALIDATE", "first") or "first")
+# (group name, key) -> the agreed outcome of a call whose signature passed the exchange.
+_seen: Dict[Tuple[str, Hashable], object] = {}
 
 
 class InputError(ValueError):
     """Bad input to a pyfused op; raised with the same message on every rank of the group."""
 
 
-def set_validation(enabled: bool) -> None:
-    """Turn the per-call cross-rank exchange on (default) or off (local checks only)."""
-    global _enabled
-    _enabled = bool(enabled)
+def set_validation(mode="first") -> None:
+    """Select the cross-rank check: ``"first"`` (default), ``"always"`` or ``"off"`` (module
+    docstring); ``True`` / ``False`` mean ``"first"`` / ``"off"``. Call it on every rank alike.
+    Outcomes remembered under another mode are forgotten."""
+    global _mode
+    _mode = _parse_mode(mode)
+    _seen.clear()
+
+
+def validation_mode() -> str:
+    return _mode
 
 
 def validation_enabled() -> bool:
-    return _enabled
+    """Whether signatures are exchanged at all (``"first"`` or ``"always"``)."""
+    return _mode != "off"
+
+
+def seen(pg: Optional[dist.ProcessGroup], key: Hashable):
+    """The remembered outcome of a call with this ``key`` on ``pg``, or None (always None in
+    ``"always"`` mode). One dictionary lookup: the steady-state cost of validation."""
+    if _mode == "always":
+        return None
+    return _seen.get((pg, key))
+
+
+def remember(pg: Optional[dist.ProcessGroup], key: Hashable, outcome) -> None:
+    """Record the outcome of a call that passed the exchange (or, mode ``"off"``, the local check)."""
+    if _mode != "always":
+        _seen[(pg, key)] = outcome
+
+
+def forget_seen() -> None:
+    """Forget every remembered outcome (e.g. after the tuning cache changed); call on every rank."""
+    _seen.clear()
+
+
+_op_codes: Dict[str, int] = {}
 
 
 def op_code(name: str) -> int:
-    code = zlib.crc32(name.encode()) & 0x3FFFFFFF
-    _op_names[code] = name
+    code = _op_codes.get(name)
+    if code is None:
+        code = _op_codes[name] = zlib.crc32(name.encode()) & 0x3FFFFFFF
+        _op_names[code] = name
     return code
 
 
@@ -156,7 +221,7 @@ def _note_gpu_sync(pg: dist.ProcessGroup) -> None:
 def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]:
     """Every rank's signature, in group-rank order (just ``[sig]`` for one rank or validation off)."""
     encoded = sig.encode()
-    if world_size(pg) == 1 or not _enabled:
+    if world_size(pg) == 1 or _mode == "off":
         return [sig]
     dev = comm_device(pg)
     if dev.type == "cuda":

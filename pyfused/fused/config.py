@@ -1,8 +1,8 @@
-"""Launch choices of the fused methods, as data (CONVENTIONS.md #6). Every value here is a pure
+"""Launch choices of the fused methods, as data. Every value here is a pure
 function of what every rank agrees on (shapes, dtype, world size), so all ranks choose alike.
 
 The numbers are starting points that no GPU has measured yet (docs/PERF.md says how to measure
-them); a GPU session replaces them with measured crossovers.
+them); a GPU run of the benchmarks replaces them with measured crossovers.
 """
 from __future__ import annotations
 

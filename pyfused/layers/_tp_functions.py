@@ -6,6 +6,8 @@ computed from it is counted once, so gradients that flow into it from all ranks 
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,11 +24,13 @@ class ColumnLinearReplicatedInput(torch.autograd.Function):
     Backward: grad_x = all_reduce(g @ w) (every rank's output used x). With ``overlap`` other than
     "unfused" that all-reduce is launched asynchronously and runs while the weight gradient
     g^T @ x is computed (Megatron's async gradient all-reduce); "unfused" runs it synchronously.
+    Both run inside the registered op ``pyfused::column_linear_backward``, which torch.compile
+    keeps whole (it cannot trace an asynchronous collective).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias, pg, overlap: str):
-        ctx.pg, ctx.overlap = pg, overlap
+    def forward(ctx, x: Tensor, weight: Tensor, bias, group_name: str, overlap: str):
+        ctx.group_name, ctx.overlap = group_name, overlap
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
@@ -35,19 +39,36 @@ class ColumnLinearReplicatedInput(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        work, grad_x = None, None
-        if need_x:
-            grad_x = g @ weight
-            if comm.world_size(ctx.pg) > 1:
-                with comm.failures_named(_COLUMN_BACKWARD, ctx.pg):
-                    work = dist.all_reduce(grad_x, group=ctx.pg, async_op=ctx.overlap != "unfused")
-        g2 = g.reshape(-1, g.shape[-1])
-        grad_w = g2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
-        grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
-        if work is not None and ctx.overlap != "unfused":
-            with comm.failures_named(_COLUMN_BACKWARD, ctx.pg):
-                work.wait()
-        return grad_x, grad_w, grad_b, None, None
+        grad_x, grad_w = torch.ops.pyfused.column_linear_backward(
+            g, x, weight, ctx.group_name, ctx.overlap, need_x, need_w)
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if (need_b and ctx.has_bias) else None
+        return (grad_x if need_x else None), (grad_w if need_w else None), grad_b, None, None
+
+
+@torch.library.custom_op("pyfused::column_linear_backward", mutates_args=())
+@comm.names_failures(_COLUMN_BACKWARD)
+def _column_linear_backward(g: Tensor, x: Tensor, weight: Tensor, group_name: str, overlap: str,
+                            need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
+    """(all_reduce(g @ weight), g^T @ x) of a column-parallel layer with a replicated input; an
+    empty tensor for a gradient not needed."""
+    pg = comm.group_from_name(group_name)
+    work, grad_x = None, g.new_empty((0,))
+    if need_x:
+        grad_x = g @ weight
+        if comm.world_size(pg) > 1:
+            work = dist.all_reduce(grad_x, group=pg, async_op=overlap != "unfused")
+    grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if need_w
+              else g.new_empty((0,)))
+    if work is not None and overlap != "unfused":
+        work.wait()
+    return grad_x, grad_w
+
+
+@_column_linear_backward.register_fake
+def _(g, x, weight, group_name, overlap, need_x, need_w):
+    grad_x = g.new_empty((*g.shape[:-1], weight.shape[1])) if need_x else g.new_empty((0,))
+    grad_w = g.new_empty((g.shape[-1], x.shape[-1])) if need_w else g.new_empty((0,))
+    return grad_x, grad_w
 
 
 class GatherLastDim(torch.autograd.Function):

@@ -22,7 +22,7 @@ The bias of a row-parallel layer is added once, after the reduction.
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -30,38 +30,89 @@ from torch import Tensor
 
 from .. import comm
 from ..ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ..ops._common import METHODS
+from ..ops import _common
 from ._tp_functions import (
     AddSequenceParallelBias, ColumnLinearReplicatedInput, GatherLastDim, ScatterLastDim,
 )
 
 
-def _agree_on_layer(kind: str, pg, in_features: int, out_features: int, sharded: int,
-                    flags: tuple) -> None:
-    """Same constructor arguments on every rank, and a divisible sharded dimension."""
-    w = comm.world_size(pg)
-    sig = comm.Signature(comm.op_code(kind), (in_features, out_features, *flags), ())
+def _check_layer_args(kind: str):
+    """The constructor's contract over all ranks' signatures (options: in_features, out_features,
+    bias, gather_output / input_is_parallel, sequence_parallel)."""
 
-    def check(sigs):
-        dim_name = "out_features" if kind == "ColumnParallelLinear" else "in_features"
-        if sharded % w != 0:
-            return f"{dim_name}={sharded} must be divisible by the tensor-parallel size {w}"
-        return comm.differs(sigs, "(in_features, out_features, bias, gather/input flag, "
-                                  "sequence_parallel)", lambda s: s.ints)
+    def check(sigs: List[_common.CallSignature], world: int, allowed) -> Optional[str]:
+        for r, s in enumerate(sigs):
+            where = f" (rank {r})" if len(sigs) > 1 else ""
+            in_features, out_features, _, flag, sequence_parallel = s.options
+            if in_features < 1 or out_features < 1:
+                return f"in_features and out_features must be positive ints{where}"
+            if kind == "ColumnParallelLinear" and flag == 1 and sequence_parallel == 1:
+                return ("gather_output=True is not supported with sequence_parallel=True (the "
+                        f"output is already gathered along the sequence){where}")
+            if kind == "RowParallelLinear" and flag == 0 and sequence_parallel == 1:
+                return f"sequence_parallel=True needs input_is_parallel=True (as in Megatron-LM){where}"
+            sharded = out_features if kind == "ColumnParallelLinear" else in_features
+            if sharded % world != 0:
+                dim_name = "out_features" if kind == "ColumnParallelLinear" else "in_features"
+                return f"{dim_name}={sharded} must be divisible by the tensor-parallel size {world}"
+        return comm.differs(sigs, "(in_features, out_features, bias, gather_output or "
+                                  "input_is_parallel, sequence_parallel)", lambda s: s.options)
 
-    comm.agree(pg, sig, check)
+    return check
+
+
+def _check_forward_input(kind: str, width: int, replicated: bool):
+    """A forward's contract: x [..., width] of the weight's dtype and device; a replicated input is
+    the same tensor shape on every rank (its backward sums gradients across ranks)."""
+
+    def check(sigs: List[_common.CallSignature], world: int, allowed) -> Optional[str]:
+        for r, s in enumerate(sigs):
+            where = f" (rank {r})" if len(sigs) > 1 else ""
+            x, weight = s.tensors[0], s.tensors[1]
+            if not x.shape or x.shape[-1] != width:
+                return f"input's last dim must be {width}; got {x.describe()}{where}"
+            if x.dtype != weight.dtype or x.device != weight.device:
+                return (f"input must have the weight's dtype and device; got input {x.describe()}, "
+                        f"weight {weight.describe()}{where}")
+        if replicated:
+            return comm.differs(sigs, "input", lambda s: s.tensors[0],
+                                lambda s: s.tensors[0].describe())
+        return None
+
+    return check
+
+
+def _layer_tensors(x, weight, bias) -> Tuple[Tuple[str, ...], tuple]:
+    if bias is None:
+        return ("input", "weight"), (x, weight)
+    return ("input", "weight", "bias"), (x, weight, bias)
 
 
 class _ParallelLinear(nn.Module):
-    def _init_common(self, in_features, out_features, bias, group, sequence_parallel, overlap):
-        if overlap not in METHODS:
-            raise ValueError(f"overlap must be one of {METHODS}, got {overlap!r}")
+    def _init_common(self, kind, in_features, out_features, bias, group, flag, sequence_parallel,
+                     overlap):
+        options = (_common.int_code(in_features), _common.int_code(out_features), int(bool(bias)),
+                   int(bool(flag)), int(bool(sequence_parallel)))
+        self.pg, _ = _common.prepare(kind, (), (), group, overlap, options=options,
+                                     check=_check_layer_args(kind), method_arg="overlap")
         self.in_features, self.out_features = in_features, out_features
-        self.pg = comm.resolve_group(group)
         self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
+        self.group_name = comm.group_name(self.pg)
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.has_bias = bias
+
+    def _prepare_forward(self, x, width: int, replicated: bool) -> None:
+        """Every rank agrees on this forward's input (and on which inputs need a gradient, which
+        decides whether backward runs collectives) before any collective of the layer. Traced by
+        torch.compile, the check is left to the registered ops, which validate when they run."""
+        if torch.compiler.is_compiling():
+            return
+        kind = type(self).__name__
+        names, tensors = _layer_tensors(x, self.weight, self.bias)
+        _common.prepare(f"{kind}.forward", names, tensors, self.pg, self.overlap,
+                        options=(width, int(replicated)),
+                        check=_check_forward_input(kind, width, replicated), method_arg="overlap")
 
     def reset_parameters(self) -> None:
         # nn.Linear's default init with the *full* layer's fan-in, so a shard draws from the same
@@ -127,12 +178,8 @@ class ColumnParallelLinear(_ParallelLinear):
                  gather_output: bool = False, sequence_parallel: bool = False,
                  overlap: str = "auto", device=None, dtype=None):
         super().__init__()
-        self._init_common(in_features, out_features, bias, group, sequence_parallel, overlap)
-        if gather_output and sequence_parallel:
-            raise ValueError("gather_output=True is not supported with sequence_parallel=True "
-                             "(the output is already gathered along the sequence)")
-        _agree_on_layer("ColumnParallelLinear", self.pg, in_features, out_features, out_features,
-                        (int(bias), int(gather_output), int(sequence_parallel)))
+        self._init_common("ColumnParallelLinear", in_features, out_features, bias, group,
+                          gather_output, sequence_parallel, overlap)
         self.gather_output = gather_output
         self.out_local = out_features // self.world_size
         factory = {"device": device, "dtype": dtype}
@@ -144,26 +191,13 @@ class ColumnParallelLinear(_ParallelLinear):
         return 0
 
     def forward(self, x: Tensor) -> Tensor:
+        self._prepare_forward(x, self.in_features, replicated=not self.sequence_parallel)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight.t(), self.pg, method=self.overlap)
             return y + self.bias if self.bias is not None else y
-        self._check_replicated_input(x)
-        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.pg, self.overlap)
+        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.group_name,
+                                              self.overlap)
         return GatherLastDim.apply(y, self.pg) if self.gather_output else y
-
-    def _check_replicated_input(self, x: Tensor) -> None:
-        # Forward has no collective here, but backward all-reduces x's gradient: make sure now that
-        # every rank agrees on x, so a bad input fails fast instead of hanging in backward.
-        sig = comm.Signature(comm.op_code("ColumnParallelLinear.forward"), (),
-                             (comm.TensorMeta.of(x), comm.TensorMeta.of(self.weight)))
-
-        def check(sigs):
-            xm = sigs[0].tensors[0]
-            if not xm.shape or xm.shape[-1] != self.in_features:
-                return f"input's last dim must be in_features={self.in_features}; got {xm.describe()}"
-            return comm.differs(sigs, "input", lambda s: s.tensors[0], lambda s: s.tensors[0].describe())
-
-        comm.agree(self.pg, sig, check)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -179,11 +213,8 @@ class RowParallelLinear(_ParallelLinear):
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  overlap: str = "auto", device=None, dtype=None):
         super().__init__()
-        self._init_common(in_features, out_features, bias, group, sequence_parallel, overlap)
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron-LM)")
-        _agree_on_layer("RowParallelLinear", self.pg, in_features, out_features, in_features,
-                        (int(bias), int(input_is_parallel), int(sequence_parallel)))
+        self._init_common("RowParallelLinear", in_features, out_features, bias, group,
+                          input_is_parallel, sequence_parallel, overlap)
         self.input_is_parallel = input_is_parallel
         self.in_local = in_features // self.world_size
         factory = {"device": device, "dtype": dtype}
@@ -195,10 +226,9 @@ class RowParallelLinear(_ParallelLinear):
         return 1
 
     def forward(self, x: Tensor) -> Tensor:
+        width = self.in_local if self.input_is_parallel else self.in_features
+        self._prepare_forward(x, width, replicated=not self.input_is_parallel)
         if not self.input_is_parallel:
-            if x.shape[-1] != self.in_features:
-                raise ValueError(f"input's last dim must be in_features={self.in_features}; "
-                                 f"got {tuple(x.shape)}")
             x = ScatterLastDim.apply(x, self.pg)
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight.t(), self.pg, method=self.overlap)

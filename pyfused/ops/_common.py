@@ -1,27 +1,36 @@
-"""What the three GEMM+collective ops share: method names, the input contract, method choice.
+"""What the ops and the tensor-parallel layers share: method names, the input contract, ``prepare``.
 
-Every functional op does, on every rank and before any collective of its own:
-  1. resolve the group,
-  2. build a signature (shapes, dtypes, requested method, this rank's ``auto`` preference and whether
-     the fused path is usable here) and exchange it (``pyfused.comm.agree``),
-  3. run ``check_matmul_inputs`` over all ranks' signatures -> one identical ``InputError`` everywhere,
-  4. pick the concrete method from the *gathered* signatures (rank 0's auto preference; fused only if
-     every rank can run it), so every rank runs the same schedule.
+Every op and layer call runs ``prepare`` on every rank before any collective of its own:
+  1. resolve the group (a rank that is not a member of the group it passed takes part through the
+     default group, so the others hear of it),
+  2. with validation mode ``"first"`` (pyfused/comm/validate.py): if this rank has seen this exact
+     call (group, op, tensors' shapes/dtypes/devices/requires_grad, method, chunks, options) pass
+     before, return the outcome agreed then -- one dictionary lookup, no collective, no host sync,
+  3. otherwise build a ``CallSignature`` (named fields: everything that could make a rank refuse the
+     call, and whatever decides whether backward runs collectives) and exchange it
+     (``pyfused.comm.agree``),
+  4. check all ranks' signatures with one pure function -> one identical ``InputError`` everywhere,
+  5. pick the concrete method from the *gathered* signatures (rank 0's auto preference; fused only if
+     every rank can run it), so every rank runs the same schedule, and remember it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from .._logging import logger
+from ..comm import validate
+from ._signature import (  # noqa: F401  (part of this module's interface)
+    FLOAT_DTYPES, METHODS, NOT_A_METHOD, CallSignature, agreement, call_key, check_matmul_inputs,
+    common_refusal, int_code, method_code, _chunk_code, _meta,
+)
+from .registry import OPS
 
-METHODS = ("unfused", "decomposed", "fused", "auto")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Below this many FLOPs per rank's GEMM the chunked schedule's extra launches and messages cost more
 # than the overlap can save (a 2-rank gloo run at 256x1024x1024 is about break-even); ``auto``
@@ -71,13 +80,11 @@ class MethodUnavailable(RuntimeError):
     """``method=`` asked for a path that cannot run here; the message says why."""
 
 
-def method_code(method: str) -> int:
-    return METHODS.index(method)
-
-
 def fused_status(op: str, device_type: str, dtype: Optional[torch.dtype] = None,
                  pg=None) -> Tuple[bool, str]:
     """Whether this rank can run ``op`` with ``method="fused"`` (no collective), and if not, why."""
+    if op not in OPS or OPS[op].fused is None:
+        return False, f"pyfused has no fused kernel for {op}"
     if device_type != "cuda":
         return False, (f"inputs are on {device_type}: the fused method needs CUDA tensors on GPUs "
                        f"with peer access (symmetric memory)")
@@ -112,18 +119,130 @@ class Choice:
     reason: str
 
 
-def auto_preference(op: str, pg, a: torch.Tensor, b: torch.Tensor, fused_ok: bool) -> Choice:
-    """This rank's pick for ``method="auto"``: a tuned entry if there is one, else a size rule."""
-    from .. import tune
+_MEMBER: dict = {}  # group -> whether this rank is a member
 
+
+def _resolve(group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], bool]:
+    """(the group to run on, the group to exchange over, whether this rank is a member). A rank
+    outside the group it passed exchanges over the default group, where the others can hear it."""
+    try:
+        pg = comm.resolve_group(group)
+    except comm.GroupError:
+        pg, in_group = None, False
+    else:
+        in_group = _MEMBER.get(pg)
+        if in_group is None:
+            in_group = _MEMBER[pg] = pg is None or dist.get_rank(pg) >= 0
+    if in_group:
+        return pg, pg, True
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return None, world, False
+
+
+Check = Callable[[List[CallSignature], int, Tuple[str, ...]], Optional[str]]
+
+
+def prepare(name: str, names: Sequence[str], tensors: Sequence[Any], group, method: Any, *,
+            check: Check, chunks: Any = 0, options: tuple = (),
+            auto: Optional[Callable[[Any, Sequence[torch.Tensor], bool], Choice]] = None,
+            method_arg: str = "method") -> Tuple[Optional[dist.ProcessGroup], Choice]:
+    """Validate one call across ranks and choose its method; the same outcome on every rank.
+
+    ``names``/``tensors``: the tensor arguments (a non-tensor is refused on every rank). ``check``:
+    the op's or layer's contract over all ranks' signatures (pure). ``auto``: this rank's preference
+    for ``method="auto"`` (None: the call has no method to choose). ``options``: ints the ranks must
+    agree on (``int_code`` turns a bad value into -1). In validation mode ``"first"``
+    or ``"off"`` a call seen before returns its remembered outcome at once (module docstring)."""
+    pg, xpg, in_group = _resolve(group)
+    key = call_key(name, method, chunks, options, tensors) if in_group else None
+    if key is not None:
+        hit = validate.seen(pg, key)
+        if hit is not None:
+            return pg, hit
+    choice = _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, chunks,
+                               options, auto, method_arg)
+    if key is not None:
+        validate.remember(pg, key, choice)
+    return pg, choice
+
+
+def _local_signature(name, names, tensors, pg, in_group, method, chunks, options, auto
+                     ) -> Tuple[CallSignature, Optional[Choice], str]:
+    metas = tuple(_meta(t) for t in tensors)
+    grad_on = torch.is_grad_enabled()
+    needs_grad = sum(1 << i for i, t in enumerate(tensors)
+                     if grad_on and isinstance(t, torch.Tensor) and t.requires_grad)
+    sig = CallSignature(name, metas, method_code(method), needs_grad, _chunk_code(chunks), in_group,
+                        options=tuple(int(o) for o in options))
+    if auto is None or common_refusal([sig], names) is not None:
+        return sig, None, "no fused method for a refused call"
+    first = tensors[0]
+    fused_ok, fused_why = fused_status(name, first.device.type, first.dtype, pg)
+    pref = auto(pg, tensors, fused_ok) if method == "auto" else Choice(method, 0, "requested")
+    return (CallSignature(name, metas, sig.method, needs_grad, sig.chunks, in_group, fused_ok,
+                          method_code(pref.method), pref.chunks, sig.options), pref, fused_why)
+
+
+def _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, chunks, options,
+                      auto, method_arg) -> Choice:
+    sig, pref, fused_why = _local_signature(name, names, tensors, pg, in_group, method, chunks,
+                                            options, auto)
+    world = comm.world_size(xpg)
+    allowed = _backend_device_types(xpg)
+
+    def check_all(wire: List[comm.Signature]) -> Optional[str]:
+        sigs = [CallSignature.from_wire(w) for w in wire]
+        return (common_refusal(sigs, names, method_arg) or check(sigs, world, allowed)
+                or agreement(sigs, names, method_arg))
+
+    sigs = [CallSignature.from_wire(w) for w in comm.agree(xpg, sig.to_wire(), check_all)]
+    if auto is None:
+        return Choice(method, 0, "requested")
+    return _choose(name, pg, tensors[0].device, method, sigs, pref, fused_why)
+
+
+def _choose(name, pg, device, method, sigs: List[CallSignature], pref: Choice, fused_why: str
+            ) -> Choice:
+    fused_everywhere = all(s.fused_ok for s in sigs)
+    if method == "fused" and not fused_everywhere:
+        missing = [r for r, s in enumerate(sigs) if not s.fused_ok]
+        raise MethodUnavailable(f"pyfused.{name}: method='fused' is not available here because "
+                                f"{fused_why}" + (f" (ranks without it: {missing})"
+                                                  if len(sigs) > 1 else ""))
+    if method != "auto":
+        if method == "fused":
+            confirm_fused(name, pg, device, method)
+        return Choice(method, 0, "requested")
+    chosen, chunks = METHODS[sigs[0].auto_method], sigs[0].auto_chunks
+    reason = pref.reason if comm.rank(pg) == 0 else "rank 0's choice"
+    if chosen == "fused" and not fused_everywhere:
+        chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
+    elif chosen == "fused":
+        ok, why = confirm_fused(name, pg, device, method)
+        if not ok:
+            chosen, reason = "decomposed", why
+    logger.debug("pyfused.%s: method=auto chose %s (%s) for %s world=%d", name, chosen, reason,
+                 [tuple(s.shape) for s in sigs[0].tensors], len(sigs))
+    return Choice(chosen, chunks, reason)
+
+
+def auto_preference(op: str, pg, tensors: Sequence[torch.Tensor], fused_ok: bool) -> Choice:
+    """This rank's pick for ``method="auto"``: a tuned entry if there is one, else a size rule."""
+    from . import tuned as tune
+
+    spec = OPS[op]
     w = comm.world_size(pg)
-    rows = math.prod(a.shape[:-1])
-    entry = tune.lookup(op, w, tuple(a.shape), tuple(b.shape), a.dtype, a.device)
+    first, second = (tensors[i] for i in spec.tune_shape_inputs)
+    entry = tune.lookup(op, w, tuple(first.shape), tuple(second.shape), first.dtype, first.device)
     if entry is not None and (entry.method != "fused" or fused_ok):
         return Choice(entry.method, entry.chunks, f"tuned entry {tune.cache_path()}")
     if w == 1:
         return Choice("unfused", 0, "world size 1: no communication to overlap")
-    flops = 2 * rows * a.shape[-1] * b.shape[-1]
+    if not spec.gemm:
+        return Choice("unfused", 0, "untuned shape: the decomposed schedule only hides the cheap "
+                                    "epilogue; fused is chosen only where tuning measured it faster")
+    a, b = tensors[0], tensors[1]
+    flops = 2 * math.prod(a.shape[:-1]) * a.shape[-1] * b.shape[-1]
     threshold = DECOMPOSE_MIN_FLOPS.get(a.device.type, DECOMPOSE_MIN_FLOPS["cuda"])
     if flops < threshold:
         return Choice("unfused", 0, f"GEMM of {flops:.3g} FLOP per rank is below the {threshold:.3g} "
@@ -144,88 +263,34 @@ def _backend_device_types(pg) -> Tuple[str, ...]:
     return tuple(types) or ("cpu", "cuda", "other")
 
 
-def check_matmul_inputs(sigs: List[comm.Signature], world: int, allowed_devices: Tuple[str, ...],
-                        scatter_dim0: bool) -> Optional[str]:
-    """The contract of a: [d0, ..., K] and b: [K, N], identical across ranks. Pure in ``sigs``."""
-    for r, s in enumerate(sigs):
-        a, b = s.tensors[0], s.tensors[1]
-        where = f" (rank {r})" if len(sigs) > 1 else ""
-        if a.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:
-            return (f"a and b must be float32, float16, bfloat16 or float64; got a {a.describe()}, "
-                    f"b {b.describe()}{where}")
-        if a.dtype != b.dtype:
-            return f"a and b must have the same dtype; got a {a.describe()}, b {b.describe()}{where}"
-        if a.device != b.device:
-            return f"a and b must be on the same device; got a {a.describe()}, b {b.describe()}{where}"
-        if world > 1 and a.device not in allowed_devices:
-            return (f"tensors on {a.device} cannot be communicated by this process group's backend "
-                    f"(it serves {', '.join(allowed_devices)}){where}")
-        if len(b.shape) != 2:
-            return f"b must be 2-D [K, N]; got b {b.describe()}{where}"
-        if not 2 <= len(a.shape) <= 8:
-            return f"a must have 2 to 8 dims [d0, ..., K]; got a {a.describe()}{where}"
-        if a.shape[-1] != b.shape[0]:
-            return (f"a's last dim must equal b's first (K): got a {a.describe()}, "
-                    f"b {b.describe()}{where}")
-        if 0 in a.shape or 0 in b.shape:
-            return f"empty inputs are not supported: a {a.describe()}, b {b.describe()}{where}"
-        if scatter_dim0 and a.shape[0] % world != 0:
-            return (f"a's dim 0 ({a.shape[0]}) must be divisible by the world size ({world}) to "
-                    f"reduce-scatter it; got a {a.describe()}{where}")
-    return (comm.differs(sigs, "a", lambda s: s.tensors[0], lambda s: s.tensors[0].describe())
-            or comm.differs(sigs, "b", lambda s: s.tensors[1], lambda s: s.tensors[1].describe())
-            or comm.differs(sigs, "method", lambda s: s.ints[0], lambda s: METHODS[s.ints[0]]))
+def _matmul_hooks(op: str) -> Tuple[Check, Callable]:
+    """The check and ``auto`` preference of a GEMM op, made once per op (they are per-call
+    arguments of ``prepare``, and a call that hits the seen set should build nothing)."""
+    hooks = _MATMUL_HOOKS.get(op)
+    if hooks is None:
+        scatter = OPS[op].scatters_dim0
+        hooks = _MATMUL_HOOKS[op] = (
+            lambda sigs, world, allowed: check_matmul_inputs(sigs, world, allowed, scatter),
+            lambda pg, ts, fused_ok: auto_preference(op, pg, ts, fused_ok))
+    return hooks
 
 
-def prepare(op: str, a: torch.Tensor, b: torch.Tensor, group, method: str,
-            scatter_dim0: bool) -> Tuple[Optional[dist.ProcessGroup], Choice]:
-    """Validate across ranks and choose the method; identical outcome on every rank."""
-    if method not in METHODS:
-        raise ValueError(f"pyfused.{op}: method must be one of {METHODS}, got {method!r}")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"pyfused.{op}: a and b must be tensors")
-    pg = comm.resolve_group(group)
-    world = comm.world_size(pg)
-    fused_ok, fused_why = fused_status(op, a.device.type, a.dtype, pg)
-    pref = auto_preference(op, pg, a, b, fused_ok) if method == "auto" else Choice(method, 0, "requested")
-    # all_gather_matmul's backward runs a reduce-scatter only where a needs a gradient: every rank
-    # must agree on that, or the ranks that need it would wait in backward for the others forever.
-    grad_a = int(op == "all_gather_matmul" and torch.is_grad_enabled() and a.requires_grad)
-    sig = comm.Signature(
-        comm.op_code(op),
-        (method_code(method), method_code(pref.method), pref.chunks, int(fused_ok), grad_a),
-        (comm.TensorMeta.of(a), comm.TensorMeta.of(b)),
-    )
-    allowed = _backend_device_types(pg)
+_MATMUL_HOOKS: dict = {}
 
-    def check(ss):
-        return (check_matmul_inputs(ss, world, allowed, scatter_dim0)
-                or comm.differs(ss, "whether a needs a gradient (its backward is a collective)",
-                                lambda s: s.ints[4], lambda s: "yes" if s.ints[4] else "no"))
 
-    sigs = comm.agree(pg, sig, check)
-    fused_everywhere = all(s.ints[3] for s in sigs)
-    if method == "fused" and not fused_everywhere:
-        missing = [r for r, s in enumerate(sigs) if not s.ints[3]]
-        raise MethodUnavailable(f"pyfused.{op}: method='fused' is not available here because {fused_why}"
-                                + (f" (ranks without it: {missing})" if len(sigs) > 1 else ""))
-    if method != "auto":
-        if method == "fused":
-            confirm_fused(op, pg, a.device, method)
-        return pg, Choice(method, 0, "requested")
-    chosen = METHODS[sigs[0].ints[1]]
-    chunks = sigs[0].ints[2]
-    reason = pref.reason if comm.rank(pg) == 0 else "rank 0's choice"
-    if chosen == "fused" and not fused_everywhere:
-        chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
-    elif chosen == "fused":
-        ok, why = confirm_fused(op, pg, a.device, method)
-        if not ok:
-            chosen, reason = "decomposed", why
-    choice = Choice(chosen, chunks, reason)
-    logger.debug("pyfused.%s: method=auto chose %s (%s) for a=%s b=%s dtype=%s world=%d",
-                 op, choice.method, choice.reason, tuple(a.shape), tuple(b.shape), a.dtype, world)
-    return pg, choice
+def prepare_matmul(op: str, a, b, group, method, chunks=0) -> Tuple[Optional[dist.ProcessGroup], Choice]:
+    """``prepare`` for the three GEMM + collective ops (a [d0, ..., K], b [K, N])."""
+    check, auto = _matmul_hooks(op)
+    return prepare(op, ("a", "b"), (a, b), group, method, chunks=chunks, check=check, auto=auto)
+
+
+def eager_direct(*tensors) -> bool:
+    """Whether a call may run its implementation directly instead of through its registered op:
+    eager (not being traced by torch.compile) and no autograd graph to record. The registered op
+    costs tens of microseconds of dispatch per call, more than a latency-bound op's own work."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def backward_method(forward_method: str, backward_op: str) -> str:

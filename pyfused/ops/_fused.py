@@ -1,6 +1,7 @@
-"""Registry of the fused (symmetric-memory) implementations of the ops, behind capability probes.
+"""The fused (symmetric-memory) implementations of the ops, behind capability probes.
 
-``IMPLS`` is filled (from ``pyfused.fused``) only once ``local_probe`` has passed in this process:
+``IMPLS`` is filled from the op registry (pyfused/ops/registry.py: each op's ``fused`` names its
+implementation in ``pyfused.fused``) only once ``local_probe`` has passed in this process:
 CUDA is usable, pyfused._C is loaded and has the symmetric-memory kernels, the GPU is sm_80 or newer,
 Triton compiles for it (not the interpreter), and a symmetric-memory backend serves the device.
 ``status(op, dtype)`` is that probe plus "this op has a fused kernel for this dtype"; it needs no
@@ -19,9 +20,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .registry import FUSED_OPS, OPS
+
 IMPLS: Dict[str, Callable] = {}
-FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-             "all_reduce_add_rmsnorm")
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)
 
@@ -66,9 +67,7 @@ def local_probe() -> Tuple[bool, str]:
     if _local is None:
         _local = _probe()
         if _local[0]:
-            from .. import fused
-
-            fused.register_all(IMPLS)
+            IMPLS.update({name: OPS[name].fused_function() for name in FUSED_OPS})
     return _local
 
 

@@ -81,18 +81,24 @@ def chunked_ring_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool
     return out, gathered
 
 
-@torch.library.custom_op("pyfused::all_gather_matmul", mutates_args=(), **_common.OP_TAGS)
 @comm.names_failures(OP)
+def _run(a: Tensor, b: Tensor, pg, method: str, keep_gathered: bool
+         ) -> Tuple[Tensor, Optional[Tensor]]:
+    """2-D: (all_gather(a) @ b, all_gather(a) or None) by ``method``."""
+    if method == "fused":
+        return _fused.run(OP, a, b, pg, keep_gathered)
+    if method == "decomposed" and comm.world_size(pg) > 1:
+        return chunked_ring_all_gather_matmul(a, b, pg, keep_gathered)
+    return _unfused(a, b, pg)
+
+
+@torch.library.custom_op("pyfused::all_gather_matmul", mutates_args=(), **_common.OP_TAGS)
 def _all_gather_matmul_op(a: Tensor, b: Tensor, group_name: str, method: str,
                           keep_gathered: bool) -> Tuple[Tensor, Tensor]:
-    """2-D op: returns (all_gather(a) @ b, all_gather(a) if keep_gathered else an empty tensor)."""
-    pg = comm.group_from_name(group_name)
-    if method == "fused":
-        out, gathered = _fused.run(OP, a, b, pg, keep_gathered)
-    elif method == "decomposed" and comm.world_size(pg) > 1:
-        out, gathered = chunked_ring_all_gather_matmul(a, b, pg, keep_gathered)
-    else:
-        out, gathered = _unfused(a, b, pg)
+    """2-D op: returns (all_gather(a) @ b, all_gather(a) if keep_gathered else an empty tensor).
+    ``method`` as requested (validated here)."""
+    pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method)
+    out, gathered = _run(a, b, pg, choice.method, keep_gathered)
     if not keep_gathered:
         gathered = a.new_empty((0,))
     elif gathered is a:  # world size 1: an op output must not alias an input
@@ -130,9 +136,16 @@ _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=False)
+    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
+        pg = comm.resolve_group(group)
+    else:
+        pg, choice = _common.prepare_matmul(OP, a, b, group, method)
+        method = choice.method
     w = comm.world_size(pg)
-    keep = torch.is_grad_enabled() and b.requires_grad
-    out, _ = torch.ops.pyfused.all_gather_matmul(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
-                                                 choice.method, keep)
-    return out.view(w * a.shape[0], *a.shape[1:-1], b.shape[1])
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    if _common.eager_direct(a, b):
+        out, _ = _run(a2, b, pg, method, False)
+    else:
+        keep = torch.is_grad_enabled() and b.requires_grad
+        out, _ = torch.ops.pyfused.all_gather_matmul(a2, b, comm.group_name(pg), method, keep)
+    return out if a.dim() == 2 else out.view(w * a.shape[0], *a.shape[1:-1], b.shape[1])

@@ -37,14 +37,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
-from .._logging import logger
 from . import _common, _fused
 
 OP = "all_reduce_add_rmsnorm"
-UNKNOWN_METHOD = len(_common.METHODS)
+INPUTS = ("x", "residual", "weight")
 
 
 def all_reduce_add_rmsnorm_ref(x_per_rank: Sequence[Tensor], residual: Tensor, weight: Tensor,
@@ -62,20 +62,32 @@ def add_rmsnorm_rows(reduced: Tensor, residual: Tensor, weight: Tensor, eps: flo
     """The epilogue on rows of an all-reduced ``reduced``: residual_out = reduced + residual and
     normed_out = RMSNorm(residual_out) * weight, in fp32 (fp64 for fp64 inputs), the norm over the
     rounded residual_out."""
+    normed, new_residual = add_rmsnorm(reduced, residual, weight, eps)
+    residual_out.copy_(new_residual)
+    normed_out.copy_(normed)
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def add_rmsnorm(reduced: Tensor, residual: Tensor, weight: Tensor, eps: float
+                ) -> Tuple[Tensor, Tensor]:
+    """(normed, new_residual) of all-reduced ``reduced``: new_residual = reduced + residual in
+    reduced's dtype, normed = RMSNorm(new_residual) * weight computed in fp32 (fp64 for fp64)."""
+    if reduced.dtype in _WIDE and residual.dtype == weight.dtype == reduced.dtype:
+        new_residual = reduced + residual  # already the math dtype: no conversions to pay for
+        return F.rms_norm(new_residual, (new_residual.shape[-1],), weight, eps), new_residual
     dt = torch.promote_types(reduced.dtype, torch.float32)
-    residual_out.copy_(reduced.to(dt) + residual.to(dt))
-    h = residual_out.to(dt)
-    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    normed_out.copy_(h * rstd * weight.to(dt))
+    new_residual = (reduced.to(dt) + residual.to(dt)).to(reduced.dtype)
+    normed = F.rms_norm(new_residual.to(dt), (new_residual.shape[-1],), weight.to(dt), eps)
+    return normed.to(reduced.dtype), new_residual
 
 
 def _unfused(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg) -> Tuple[Tensor, Tensor]:
     reduced = x.clone(memory_format=torch.contiguous_format)
     if comm.world_size(pg) > 1:
         dist.all_reduce(reduced, group=pg)
-    normed, new_residual = torch.empty_like(reduced), torch.empty_like(reduced)
-    add_rmsnorm_rows(reduced, residual, weight, eps, normed, new_residual)
-    return normed, new_residual
+    return add_rmsnorm(reduced, residual, weight, eps)
 
 
 def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg,
@@ -93,12 +105,10 @@ def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, 
     return normed, new_residual
 
 
-@torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
 @comm.names_failures(OP)
-def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                               group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
-    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)."""
-    pg = comm.group_from_name(group_name)
+def _run(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg, method: str,
+         chunks: int) -> Tuple[Tensor, Tensor]:
+    """2-D: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) by ``method``."""
     if method == "fused":
         return _fused.run(OP, x, residual, weight, eps, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
@@ -106,6 +116,15 @@ def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps:
         n = max(1, min(n, x.shape[0]))
         return chunked_all_reduce_add_rmsnorm(x, residual, weight, eps, pg, n)
     return _unfused(x, residual, weight, eps, pg)
+
+
+@torch.library.custom_op("pyfused::all_reduce_add_rmsnorm", mutates_args=(), **_common.OP_TAGS)
+def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                               group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
+    """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual). ``method``
+    as requested (validated here)."""
+    pg, choice = prepare(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
+    return _run(x, residual, weight, eps, pg, choice.method, chunks or choice.chunks)
 
 
 @_all_reduce_add_rmsnorm_op.register_fake
@@ -143,35 +162,30 @@ _all_reduce_add_rmsnorm_op.register_autograd(_backward, setup_context=_setup_con
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation and method choice (every rank, before any collective of the op)
-
-
-def _meta(t) -> comm.TensorMeta:
-    return comm.TensorMeta.of(t) if isinstance(t, Tensor) else comm.TensorMeta(None, None, None)
+# Validation (every rank, before any collective of the op): _common.prepare with this contract
 
 
 def _eps_code(eps) -> Tuple[int, int]:
     """(bits of eps as a float64, 1 if eps is a finite number >= 0 else 0)."""
+    if isinstance(eps, bool):
+        return 0, 0
     try:
         value = float(eps)
     except (TypeError, ValueError):
         return 0, 0
-    if isinstance(eps, bool):
-        return 0, 0
     return struct.unpack("<q", struct.pack("<d", value))[0], int(math.isfinite(value) and value >= 0)
 
 
-def check_inputs(sigs: List[comm.Signature], world: int, allowed_devices: Tuple[str, ...]) -> Optional[str]:
+def _eps_of(sig: _common.CallSignature) -> str:
+    return repr(struct.unpack("<d", struct.pack("<q", sig.options[0]))[0])
+
+
+def check_inputs(sigs: List[_common.CallSignature], world: int,
+                 allowed_devices: Tuple[str, ...]) -> Optional[str]:
     """The contract of x [..., H], residual [..., H], weight [H], identical across ranks; pure."""
     for r, s in enumerate(sigs):
         x, res, w = s.tensors
         where = f" (rank {r})" if len(sigs) > 1 else ""
-        method, chunks, eps_ok = s.ints[0], s.ints[4], s.ints[6]
-        if method == UNKNOWN_METHOD:
-            return f"method must be one of {_common.METHODS}{where}"
-        for name, t in (("x", x), ("residual", res), ("weight", w)):
-            if t.shape is None:
-                return f"{name} must be a tensor{where}"
         if x.dtype not in _common.FLOAT_DTYPES or w.dtype not in _common.FLOAT_DTYPES:
             return (f"x and weight must be float32, float16, bfloat16 or float64; got x "
                     f"{x.describe()}, weight {w.describe()}{where}")
@@ -192,81 +206,40 @@ def check_inputs(sigs: List[comm.Signature], world: int, allowed_devices: Tuple[
                     f"{where}")
         if 0 in x.shape:
             return f"empty inputs are not supported: x {x.describe()}{where}"
-        if not eps_ok:
+        if not s.options[1]:
             return f"eps must be a finite number >= 0{where}"
-        if chunks < 0:
-            return f"chunks must be >= 0 (0: default), got {chunks}{where}"
     return (comm.differs(sigs, "x", lambda s: s.tensors[0], lambda s: s.tensors[0].describe())
             or comm.differs(sigs, "residual", lambda s: s.tensors[1], lambda s: s.tensors[1].describe())
             or comm.differs(sigs, "weight", lambda s: s.tensors[2], lambda s: s.tensors[2].describe())
-            or comm.differs(sigs, "method", lambda s: s.ints[0], lambda s: _common.METHODS[s.ints[0]])
-            or comm.differs(sigs, "eps", lambda s: s.ints[5],
-                            lambda s: repr(struct.unpack("<d", struct.pack("<q", s.ints[5]))[0]))
-            or comm.differs(sigs, "chunks", lambda s: s.ints[4]))
+            or comm.differs(sigs, "eps", lambda s: s.options[0], _eps_of))
 
 
-def auto_preference(pg, x: Tensor, weight: Tensor, fused_ok: bool) -> _common.Choice:
-    from .. import tune
-
-    w = comm.world_size(pg)
-    entry = tune.lookup(OP, w, tuple(x.shape), tuple(weight.shape), x.dtype, x.device)
-    if entry is not None and (entry.method != "fused" or fused_ok):
-        return _common.Choice(entry.method, entry.chunks, f"tuned entry {tune.cache_path()}")
-    if w == 1:
-        return _common.Choice("unfused", 0, "world size 1: no communication")
-    return _common.Choice("unfused", 0, "untuned shape: the decomposed schedule only hides the cheap "
-                                        "epilogue; fused is chosen only where tuning measured it faster")
-
-
-def prepare(x, residual, weight, eps, group, method: str, chunks: int):
+def prepare(x, residual, weight, eps, group, method, chunks):
     """Validate on every rank and choose the method; identical outcome everywhere."""
-    pg = comm.resolve_group(group)
-    world = comm.world_size(pg)
-    known = method in _common.METHODS
-    is_tensor = isinstance(x, Tensor)
-    dtype = x.dtype if is_tensor else None
-    fused_ok, fused_why = (_common.fused_status(OP, x.device.type, dtype, pg) if is_tensor
-                           else (False, "x is not a tensor"))
-    fused_ok = fused_ok and isinstance(weight, Tensor) and isinstance(residual, Tensor)
-    pref = (auto_preference(pg, x, weight, fused_ok) if method == "auto" and is_tensor
-            and isinstance(weight, Tensor) else _common.Choice(method if known else "unfused", 0, "requested"))
-    eps_bits, eps_ok = _eps_code(eps)
-    chunk_count = chunks if isinstance(chunks, int) and not isinstance(chunks, bool) else -1
-    sig = comm.Signature(
-        comm.op_code(OP),
-        (_common.method_code(method) if known else UNKNOWN_METHOD, _common.method_code(pref.method),
-         pref.chunks, int(fused_ok), chunk_count, eps_bits, eps_ok),
-        (_meta(x), _meta(residual), _meta(weight)),
-    )
-    allowed = _common._backend_device_types(pg)
-    sigs = comm.agree(pg, sig, lambda ss: check_inputs(ss, world, allowed))
-    fused_everywhere = all(s.ints[3] for s in sigs)
-    if method == "fused":
-        if not fused_everywhere:
-            missing = [r for r, s in enumerate(sigs) if not s.ints[3]]
-            raise _common.MethodUnavailable(
-                f"pyfused.{OP}: method='fused' is not available here because {fused_why}"
-                + (f" (ranks without it: {missing})" if len(sigs) > 1 else ""))
-        _common.confirm_fused(OP, pg, x.device, method)
-    if method != "auto":
-        return pg, _common.Choice(method, 0, "requested")
-    chosen, reason = _common.METHODS[sigs[0].ints[1]], (pref.reason if comm.rank(pg) == 0 else "rank 0's choice")
-    if chosen == "fused" and not fused_everywhere:
-        chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
-    elif chosen == "fused" and not _common.confirm_fused(OP, pg, x.device, method)[0]:
-        chosen, reason = "decomposed", "the group cannot map symmetric buffers"
-    logger.debug("pyfused.%s: method=auto chose %s (%s) for x=%s dtype=%s world=%d", OP, chosen,
-                 reason, tuple(x.shape), x.dtype, world)
-    return pg, _common.Choice(chosen, sigs[0].ints[2], reason)
+    return _common.prepare(OP, INPUTS, (x, residual, weight), group, method, chunks=chunks,
+                           options=_eps_code(eps), check=check_inputs, auto=_auto_preference)
+
+
+def _auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
+    return _common.auto_preference(OP, pg, tensors, fused_ok)
 
 
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
+        pg = comm.resolve_group(group)
+    else:
+        pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+        method, chunks = choice.method, chunks or choice.chunks
+    flat = x.dim() == 2
     h = x.shape[-1]
-    normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
-        x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps), comm.group_name(pg),
-        choice.method, chunks or choice.chunks)
-    return normed.view(x.shape), new_residual.view(x.shape)
+    args = ((x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))) + (weight,
+                                                                                       float(eps))
+    if _common.eager_direct(x, residual, weight):
+        normed, new_residual = _run(*args, pg, method, chunks)
+    else:
+        normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
+            *args, comm.group_name(pg), method, chunks)
+    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))

@@ -58,11 +58,9 @@ def chunked_matmul_all_reduce(a: Tensor, b: Tensor, pg, chunks: int) -> Tensor:
     return out
 
 
-@torch.library.custom_op("pyfused::matmul_all_reduce", mutates_args=(), **_common.OP_TAGS)
 @comm.names_failures(OP)
-def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, chunks: int) -> Tensor:
-    """2-D op: sum over ranks of a @ b, on every rank."""
-    pg = comm.group_from_name(group_name)
+def _run(a: Tensor, b: Tensor, pg, method: str, chunks: int) -> Tensor:
+    """2-D: sum over ranks of a @ b, on every rank, by ``method``."""
     if method == "fused":
         return _fused.run(OP, a, b, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
@@ -70,6 +68,13 @@ def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, ch
                                              flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1])
         return chunked_matmul_all_reduce(a, b, pg, max(1, min(n, a.shape[0])))
     return _unfused(a, b, pg)
+
+
+@torch.library.custom_op("pyfused::matmul_all_reduce", mutates_args=(), **_common.OP_TAGS)
+def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, chunks: int) -> Tensor:
+    """2-D op: sum over ranks of a @ b, on every rank. ``method`` as requested (validated here)."""
+    pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method, chunks)
+    return _run(a, b, pg, choice.method, chunks or choice.chunks)
 
 
 @_matmul_all_reduce_op.register_fake
@@ -96,7 +101,14 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=False)
-    out = torch.ops.pyfused.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
-                                              choice.method, chunks or choice.chunks)
-    return out.view(*a.shape[:-1], b.shape[1])
+    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
+        pg = comm.resolve_group(group)
+    else:
+        pg, choice = _common.prepare_matmul(OP, a, b, group, method, chunks)
+        method, chunks = choice.method, chunks or choice.chunks
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    if _common.eager_direct(a, b):
+        out = _run(a2, b, pg, method, chunks)
+    else:
+        out = torch.ops.pyfused.matmul_all_reduce(a2, b, comm.group_name(pg), method, chunks)
+    return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

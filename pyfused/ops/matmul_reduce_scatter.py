@@ -72,16 +72,22 @@ def chunked_ring_matmul_reduce_scatter(a: Tensor, b: Tensor, pg) -> Tensor:
     return partial
 
 
-@torch.library.custom_op("pyfused::matmul_reduce_scatter", mutates_args=(), **_common.OP_TAGS)
 @comm.names_failures(OP)
-def _matmul_reduce_scatter_op(a: Tensor, b: Tensor, group_name: str, method: str) -> Tensor:
-    """2-D op: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b."""
-    pg = comm.group_from_name(group_name)
+def _run(a: Tensor, b: Tensor, pg, method: str) -> Tensor:
+    """2-D: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b, by ``method``."""
     if method == "fused":
         return _fused.run(OP, a, b, pg)
     if method == "decomposed" and comm.world_size(pg) > 1:
         return chunked_ring_matmul_reduce_scatter(a, b, pg)
     return _unfused(a, b, pg)
+
+
+@torch.library.custom_op("pyfused::matmul_reduce_scatter", mutates_args=(), **_common.OP_TAGS)
+def _matmul_reduce_scatter_op(a: Tensor, b: Tensor, group_name: str, method: str) -> Tensor:
+    """2-D op: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b. ``method`` as requested
+    (validated here)."""
+    pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method)
+    return _run(a, b, pg, choice.method)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -113,8 +119,15 @@ _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_cont
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    pg, choice = _common.prepare(OP, a, b, group, method, scatter_dim0=True)
+    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
+        pg = comm.resolve_group(group)
+    else:
+        pg, choice = _common.prepare_matmul(OP, a, b, group, method)
+        method = choice.method
     w = comm.world_size(pg)
-    out = torch.ops.pyfused.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, comm.group_name(pg),
-                                                  choice.method)
-    return out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    if _common.eager_direct(a, b):
+        out = _run(a2, b, pg, method)
+    else:
+        out = torch.ops.pyfused.matmul_reduce_scatter(a2, b, comm.group_name(pg), method)
+    return out if a.dim() == 2 else out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])

@@ -16,6 +16,7 @@ The returned ``ParallelModel`` is called like the original model and returns wha
 """
 from __future__ import annotations
 
+import sys
 import zlib
 from typing import Any, Dict, Optional, Union
 
@@ -141,7 +142,7 @@ def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optiona
 
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
                 sequence_parallel: bool = True, overlap: str = "auto", check_weights: bool = True,
-                verbose: bool = False, **pipeline_options) -> "ParallelModel":
+                verbose: bool = False, dp: str = "ddp", **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
     ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
@@ -154,6 +155,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     ``verbose``: print the report of what was done (``ParallelModel.report()``) on global rank 0,
     now and once the first call has recorded the op methods chosen.
     ``pipeline_options``: for pp > 1, see pyfused/parallelize/pipeline.py.
+    ``dp``: "ddp" (pyfused's DistributedDataParallel) or "fsdp" (``pyfused.fully_shard`` on the dp
+    dim: each block a unit, then the model; docs/FSDP.md). "fsdp" does not combine with pp > 1.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
@@ -174,6 +177,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         from . import pipeline as pp_mod
 
         problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
+    if problem is None and (dp not in ("ddp", "fsdp") or dp == "fsdp" and info.size["pp"] > 1):
+        problem = f"dp must be 'ddp' or 'fsdp' ('fsdp' without pp > 1), got {dp!r}"
     if problem is None and info.size["pp"] == 1 and pipeline_options:
         problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
     _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem, model,
@@ -189,9 +194,14 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         stage = pp_mod.PipelinedModel(model, resolved, info, tp, **pipeline_options)
     elif info.size["tp"] > 1:
         tp.apply(model, resolved)
+    if dp == "fsdp" and info.size["dp"] > 1:
+        from ..fsdp.compose import shard_model
+
+        shard_model(model, resolved.blocks[0] if resolved.blocks else None, info.mesh["dp"],
+                    tp.param_specs)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
-    parallel = ParallelModel(model, info, tp, stage)
+    parallel = ParallelModel(model, info, tp, stage, data_parallel=dp)
     object.__setattr__(parallel, "_plan_styles", resolved.styles)
     object.__setattr__(parallel, "_verbose", bool(verbose))
     if verbose and dist.get_rank() == 0:
@@ -212,7 +222,8 @@ class ParallelModel(nn.Module):
     keys and shapes; ``state_dict()`` is this rank's shard.
     """
 
-    def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None):
+    def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None,
+                 data_parallel: str = "ddp"):
         super().__init__()
         self.module = module
         # not registered as submodules: parameters and state_dict come from ``module`` alone
@@ -220,7 +231,9 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
         runner = module
-        if info.size["dp"] > 1 and stage is None:  # with pp > 1 the stage's module is wrapped
+        fsdp = data_parallel == "fsdp" and info.size["dp"] > 1
+        object.__setattr__(self, "_dp_sharded", fsdp)  # parameters are DTensors over dp
+        if info.size["dp"] > 1 and stage is None and not fsdp:  # pp > 1: the stage's module is wrapped
             runner = _wrap_data_parallel(module, info.group["dp"])
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
@@ -302,7 +315,7 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, on every rank (a collective over the whole mesh)."""
-        local = {k: self._spec_of(k, t).gather(t, self._tp.pg)
+        local = {k: self._spec_of(k, t).gather(_dp_full(t), self._tp.pg)
                  for k, t in self.module.state_dict(keep_vars=True).items()}
         if self._stage is not None:
             return self._stage.gather_stages(local)
@@ -314,7 +327,7 @@ class ParallelModel(nn.Module):
         names them), on every rank; a collective over the whole mesh. For checks and debugging."""
         local = {}
         for name, p in self.module.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            g = _dp_full(p.grad) if p.grad is not None else torch.zeros_like(_dp_full(p))
             local[name] = self._spec_of(name, p).gather(g, self._tp.pg)
         if self._stage is not None:
             merged = self._stage.gather_stages(local)
@@ -331,7 +344,7 @@ class ParallelModel(nn.Module):
         rank. ``norm_type``: 2.0 or inf."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [_dp_local(p.grad) for p in self.parameters() if p.grad is not None]
         skip = self._stage.duplicate_params() if self._stage is not None else set()
         device = grads[0].device if grads else torch.device("cpu")
         inf = norm_type == float("inf")
@@ -339,13 +352,15 @@ class ParallelModel(nn.Module):
         for name, p in self.module.named_parameters():
             if p.grad is None or id(p) in skip:
                 continue
-            g = p.grad.detach().double()
+            g = _dp_local(p.grad).detach().double()
             spec = self._spec_of(name, p)
             v = g.abs().max() if inf else g.pow(2).sum() / spec.replicas  # replicas: counted once
             i = 0 if spec.dim is not None and self._tp.world > 1 else 1
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         with comm.failures_named("parallelize clip_grad_norm_", _world_group()):
+            if self._dp_sharded:  # each dp rank holds other rows of every gradient
+                dist.all_reduce(parts, op=op, group=self.mesh_info.group["dp"])
             if self._tp.world > 1:
                 dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
             total = parts.max() if inf else parts.sum()
@@ -387,7 +402,7 @@ class ParallelModel(nn.Module):
             src = state.get(k)
             if src is None:
                 src = next(state[o] for o in tied[id(t)] if o in state)
-            t.copy_(self._spec_of(k, t).shard(src.to(t.device)))
+            _dp_copy_full_into(t, self._spec_of(k, t).shard(src.to(t.device)))
 
     def __getattr__(self, name: str):
         try:
@@ -395,6 +410,27 @@ class ParallelModel(nn.Module):
         except AttributeError:
             # config, generation settings... of the wrapped model
             return getattr(self._modules["module"], name)
+
+
+def _fsdp_compose():
+    """pyfused.fsdp.compose once a model was fully sharded in this process (else no DTensor
+    parameters can exist here and nothing needs loading)."""
+    return sys.modules.get("pyfused.fsdp.compose")
+
+
+def _dp_local(t):
+    c = _fsdp_compose()
+    return c.local(t) if c else t
+
+
+def _dp_full(t):
+    c = _fsdp_compose()
+    return c.full(t) if c else t
+
+
+def _dp_copy_full_into(t, value):
+    c = _fsdp_compose()
+    c.copy_full_into(t, value) if c else t.copy_(value)
 
 
 def _wrap_data_parallel(module: nn.Module, group):

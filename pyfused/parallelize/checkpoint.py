@@ -11,9 +11,9 @@ local tensors as ``CheckpointableTensor``s: plain local tensors that carry, for 
 piece of the original tensor they hold, the piece's offset in the original and in the local tensor.
 So a checkpoint describes the original model, whatever the mesh that wrote it:
 
-  * a TP shard (``ShardSpec`` ``dim``): one box per group of a fused q|k|v projection (``parts``),
-    each at its own offset; a ``Conv1D`` shard is handed over transposed (a view), in the original's
-    ``[in, out]`` layout;
+  * a TP shard (``ShardSpec`` ``dim``): one box per group of a fused projection (q|k|v
+    ``sections``, gate|up ``parts``), each at its own offset; a ``Conv1D`` shard is handed over
+    transposed (a view), in the original's ``[in, out]`` layout;
   * a padded vocabulary: the box stops at the real rows, the padding is never written;
   * KV heads replicated over TP ranks, DP replicas, the tied head's two pipeline copies: the same
     box from several ranks, which DCP's planner writes once;
@@ -77,20 +77,25 @@ def spec_boxes(spec: ShardSpec, local_shape: Tuple[int, ...]) -> List[Box]:
         return [(zero, zero, layout)]
     d = spec.dim
     total = spec.padded or layout[d]
-    group = total // spec.parts
-    chunk = group // spec.chunks
+    # the groups along d (q|k|v or gate|up sections, else `parts` equal ones); the rank keeps one
+    # chunk of each, concatenated in group order
+    groups = list(spec.sections) or [total // spec.parts] * spec.parts
     boxes = []
-    for j in range(spec.parts):
-        start = j * group + (spec.rank // spec.replicas) * chunk
+    group_start, local_start = 0, 0
+    for group in groups:
+        chunk = group // spec.chunks
+        start = group_start + (spec.rank // spec.replicas) * chunk
         real = max(0, min(chunk, layout[d] - start))
         if real:
             lo = list(zero)
-            lo[d] = j * chunk
+            lo[d] = local_start
             go = list(zero)
             go[d] = start
             size = list(layout)
             size[d] = real
             boxes.append((tuple(lo), tuple(go), tuple(size)))
+        group_start += group
+        local_start += chunk
     return boxes
 
 

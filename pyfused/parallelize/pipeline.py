@@ -163,7 +163,10 @@ class PipelinedModel:
         self.stage = PipelineStage(runner, self.stage_index, self.pp, self.device, group=self.pg)
         sched_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         self.num_items = None
-        self.schedule = sched_cls(self.stage, self.n_microbatches, loss_fn=self._loss)
+        # The loss function already divides by the whole batch's token count, so the schedule must not
+        # scale the microbatch losses again (exact for uneven microbatches too).
+        self.schedule = sched_cls(self.stage, self.n_microbatches, loss_fn=self._loss,
+                                  scale_grads=False)
         logger.info("pyfused.parallelize: pipeline stage %d/%d runs units %d..%d of %d (embedding, "
                     "%d blocks, head) with %s", self.stage_index, self.pp, self.units.start,
                     self.units.stop - 1, n + 2, n, schedule)
@@ -236,10 +239,10 @@ class PipelinedModel:
         return None
 
     def _loss(self, logits, labels):
-        # sum over the microbatch / tokens of the whole batch, times the microbatch count (the
-        # schedule divides by it): the full batch's mean loss whatever the microbatches' padding
+        # sum over the microbatch / tokens of the whole batch: the microbatches' losses add up to
+        # the full batch's mean loss, however the batch was split and padded
         return self.top.loss_function(logits=logits, labels=labels, vocab_size=self.vocab,
-                                      num_items_in_batch=self.num_items) * self.n_microbatches
+                                      num_items_in_batch=self.num_items)
 
     # ---- a call --------------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -267,7 +270,7 @@ class PipelinedModel:
                 logits = self.schedule.eval(input_ids, target=labels, losses=losses)
         loss = None
         if labels is not None:
-            loss = torch.stack(losses).mean() if self.is_last else torch.zeros((), device=input_ids.device)
+            loss = torch.stack(losses).sum() if self.is_last else torch.zeros((), device=input_ids.device)
             loss = loss.float()
             dist.broadcast(loss, group=self.pg, group_src=self.pp - 1)
         return self.output_type(loss=loss, logits=logits if self.is_last else None)

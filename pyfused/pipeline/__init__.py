@@ -8,17 +8,20 @@
 
 Modules: plan.py (pure orders and transfer plans, checked by a simulator), balance.py (pure
 partitioning), stage.py, meta.py (shape agreement), p2p.py (batched, overlapped transfers),
-executor.py, schedules.py, errors.py (same error on every rank), autosplit.py (split), timeline.py.
+executor.py, schedules.py, errors.py (same error on every rank), autosplit.py (split), timeline.py,
+split_backward.py (B and W of any module), zero_bubble.py (orders of the split-backward schedules).
 """
 from .balance import even_starts, partition, stage_sums
 from .errors import PipelineError
 from .plan import PlanError, bubble_theory
-from .schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                        ScheduleInterleavedZeroBubble, ScheduleZBH1, ScheduleZBVZeroBubble)
 from .autosplit import PipelineSegment, Split, SplitReport, layer_units, split
 from .stage import PipelineStage
 
 __all__ = [
     "PipelineError", "PipelineSegment", "PipelineStage", "PlanError", "Schedule1F1B",
-    "ScheduleGPipe", "ScheduleInterleaved1F1B", "Split", "SplitReport", "bubble_theory",
+    "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBH1", "ScheduleZBVZeroBubble", "Split", "SplitReport", "bubble_theory",
     "even_starts", "layer_units", "partition", "split", "stage_sums",
 ]

@@ -12,21 +12,24 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .p2p import Transport
-from .plan import ACT, FORWARD, Message, Step, needed, produced, stage_rank
+from .plan import ACT, BACKWARD, FORWARD, Message, Step, needed, produced, stage_rank
 from .stage import PipelineStage, grad_metas
 
 
 class StepRun:
     def __init__(self, stages: Sequence[PipelineStage], transport: Transport, p: int, *,
-                 backward: bool, loss_fn, scale: float, arg_mbs: List[Tuple],
-                 target_mbs: Optional[List], recorder=None):
+                 backward: bool, loss_fn, scale: Sequence[float], arg_mbs: List[Tuple],
+                 target_mbs: Optional[List], recorder=None, split_backward: bool = False,
+                 v_shaped: bool = False):
         self.stages: Dict[int, PipelineStage] = {st.stage_index: st for st in stages}
         self.num_stages = stages[0].num_stages
         self.tr = transport
         self.p = p
         self.backward = backward
         self.loss_fn = loss_fn
-        self.scale = scale
+        self.scale = scale  # per microbatch: the factor of its loss
+        self.split = split_backward  # B computes input gradients only; W the weight gradients
+        self.v_shaped = v_shaped
         self.arg_mbs = arg_mbs
         self.target_mbs = target_mbs
         self.recorder = recorder
@@ -35,11 +38,15 @@ class StepRun:
         self._local: Dict[Message, Tuple[torch.Tensor, ...]] = {}   # for a stage on this rank
 
     def _remote(self, msg: Message) -> bool:
-        return stage_rank(msg.src_stage, self.p) != stage_rank(msg.dst_stage, self.p)
+        return self._rank_of(msg.src_stage) != self._rank_of(msg.dst_stage)
+
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.p, self.v_shaped)
 
     def _recv_buffers(self, msg: Message) -> Tuple[torch.Tensor, ...]:
         receiver = self.stages[msg.dst_stage]
-        metas = receiver.in_metas if msg.kind == ACT else grad_metas(receiver.out_metas)
+        metas = (receiver.in_metas_of(msg.mb) if msg.kind == ACT
+                 else grad_metas(receiver.out_metas_of(msg.mb)))
         return tuple(self.tr.pool.acquire(m) for m in metas)
 
     def _input(self, msg: Optional[Message], remote: bool) -> Tuple[torch.Tensor, ...]:
@@ -61,8 +68,8 @@ class StepRun:
         tr.recorder = self.recorder
         try:
             for step in steps:
-                sends = [(m, stage_rank(m.dst_stage, self.p), self._outbox.pop(m)) for m in step.sends]
-                recvs = [(m, stage_rank(m.src_stage, self.p), self._recv_buffers(m))
+                sends = [(m, self._rank_of(m.dst_stage), self._outbox.pop(m)) for m in step.sends]
+                recvs = [(m, self._rank_of(m.src_stage), self._recv_buffers(m))
                          for m in step.recvs]
                 tr.post(sends, recvs)
                 if step.action is None:
@@ -75,8 +82,10 @@ class StepRun:
                 t0 = time.perf_counter()
                 if a.op == FORWARD:
                     out = self._forward(st, a.mb, received, bufs)
-                else:
+                elif a.op == BACKWARD:
                     out = self._backward(st, a.mb, received, bufs)
+                else:
+                    out = self._weight(st, a.mb)
                 if self.recorder is not None:
                     self.recorder.compute(a, t0, time.perf_counter())
                 msg = produced(a, self.num_stages)
@@ -101,14 +110,28 @@ class StepRun:
         return tuple(o.detach().contiguous() for o in outs)
 
     def _backward(self, st: PipelineStage, mb: int, grads_in, grad_bufs) -> Tuple[torch.Tensor, ...]:
+        hold = grad_bufs if self.split else ()  # W may still read the received gradient
         if st.forward_ok(mb):
             try:
-                grads, bufs = st.backward_one(mb, grads_in, self.scale)
+                grads, bufs = st.backward_one(mb, grads_in, self.scale[mb], self.split, hold)
             except Exception as e:
                 self._fail(f"stage {st.stage_index} failed in the backward of microbatch {mb}", e)
-                grads, bufs = st.backward_failed(mb)
+                grads, bufs = st.backward_failed(mb, self.split, hold)
         else:  # its forward failed (already recorded): zeros keep the transfers matched
-            grads, bufs = st.backward_failed(mb)
+            grads, bufs = st.backward_failed(mb, self.split, hold)
         self._release(bufs)
-        self._release(grad_bufs)
+        if not self.split:
+            self._release(grad_bufs)
         return tuple(g.detach().contiguous() for g in grads)
+
+    def _weight(self, st: PipelineStage, mb: int) -> Tuple:
+        if st.forward_ok(mb):
+            try:
+                self._release(st.backward_weight_one(mb))
+            except Exception as e:
+                self._fail(f"stage {st.stage_index} failed in the weight gradients of microbatch "
+                           f"{mb}", e)
+                self._release(st.weight_failed(mb))
+        else:
+            self._release(st.weight_failed(mb))
+        return ()

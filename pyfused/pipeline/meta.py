@@ -10,6 +10,11 @@ stage whose output the next stage cannot take, or a declaration that does not ma
 
 The pass runs again whenever the first stage's microbatch shapes change (every rank learns them
 from the per-step argument check), so a new batch size is handled without a restart.
+
+Uneven microbatches: the header also carries ``n_large``, how many microbatches are one row larger
+than the rest (``batch % n_microbatches``, known on the first stage's rank). When it is not zero,
+every rank has learnt so from the first pass, and a second pass agrees on the shapes of the smaller
+microbatches (``PipelineStage.small_metas``).
 """
 from __future__ import annotations
 
@@ -29,22 +34,43 @@ SHAPES = "pipeline shape exchange"  # what a failed header transfer is reported 
 _OK, _FAILED = 0, 1
 
 
-def _encode(status: int, metas: Metas, device: torch.device) -> torch.Tensor:
-    sig = comm.Signature(_HEADER, (status,), tuple(comm.TensorMeta(m.shape, m.dtype, "cpu")
+def _encode(status: int, n_large: int, metas: Metas, device: torch.device) -> torch.Tensor:
+    sig = comm.Signature(_HEADER, (status, n_large), tuple(comm.TensorMeta(m.shape, m.dtype, "cpu")
                                                    for m in metas))
     return torch.tensor(sig.encode(), dtype=torch.int64, device=device)
 
 
-def _decode(header: torch.Tensor) -> Tuple[int, Metas]:
+def _decode(header: torch.Tensor) -> Tuple[int, int, Metas]:
     sig = comm.Signature.decode(header.tolist())
-    return sig.ints[0], tuple(comm.TensorMeta(t.shape, t.dtype, None) for t in sig.tensors)
+    return sig.ints[0], sig.ints[1], tuple(comm.TensorMeta(t.shape, t.dtype, None)
+                                           for t in sig.tensors)
+
+
+def infer_all(stages: Sequence[PipelineStage], pg, large: Optional[Tuple[torch.Tensor, ...]],
+              small: Optional[Tuple[torch.Tensor, ...]], n_large: int, p: int,
+              v_shaped: bool = False) -> Optional[str]:
+    """Agree on the activation shapes of every microbatch: one pass for the (larger) first
+    microbatch ``large`` and, when the split is uneven, one for the smaller last one ``small``.
+    ``large``, ``small`` and ``n_large`` are known on the first stage's rank only."""
+    for st in stages:
+        st.small_metas = None
+    error, n_large = infer(stages, pg, large, p, v_shaped, n_large)
+    if n_large and error is None:
+        saved = [(st.in_metas, st.out_metas) for st in stages]
+        error, _ = infer(stages, pg, small, p, v_shaped, n_large, small_pass=True)
+        for st, (in_m, out_m) in zip(stages, saved):
+            st.small_metas = (n_large, st.in_metas, st.out_metas)
+            st.in_metas, st.out_metas = in_m, out_m
+    return error
 
 
 def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torch.Tensor, ...]],
-          p: int) -> Optional[str]:
-    """Set ``in_metas``/``out_metas`` of this rank's ``stages``; return this rank's error or None.
+          p: int, v_shaped: bool = False, n_large: int = 0, small_pass: bool = False
+          ) -> Tuple[Optional[str], int]:
+    """Set ``in_metas``/``out_metas`` of this rank's ``stages``; return (this rank's error or None,
+    ``n_large`` as the first stage's rank sent it).
 
-    ``first_inputs`` is microbatch 0 of the first stage's arguments (on the rank that has it)."""
+    ``first_inputs`` is one microbatch of the first stage's arguments (on the rank that has it)."""
     error: Optional[str] = None
     local: dict = {}  # stage -> header, when the next stage lives on this rank too
     comm_dev = comm.comm_device(pg)
@@ -54,20 +80,20 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
         if stage.is_first:
             in_metas = metas_of(first_inputs)
         else:
-            if stage_rank(s - 1, p) == stage_rank(s, p):
-                status, in_metas = local.pop(s - 1)
+            if stage_rank(s - 1, p, v_shaped) == stage_rank(s, p, v_shaped):
+                status, n_large, in_metas = local.pop(s - 1)
             else:
                 header = torch.empty(SIG_LEN, dtype=torch.int64, device=comm_dev)
-                peer = stage_rank(s - 1, p)
+                peer = stage_rank(s - 1, p, v_shaped)
                 with comm.failures_named(SHAPES, pg, ("stage", s, "receiving"), peer):
                     dist.recv(header, group=pg, group_src=peer)
-                status, in_metas = _decode(header)
+                status, n_large, in_metas = _decode(header)
             upstream_failed = status != _OK
         out_metas: Metas = ()
         status = _FAILED
         if not upstream_failed:
             try:
-                out_metas = _stage_outputs(stage, in_metas, first_inputs)
+                out_metas = _stage_outputs(stage, in_metas, first_inputs, small_pass)
                 status = _OK
             except Exception as e:  # reported on every rank by the caller
                 error = error or f"stage {s}: {e}"
@@ -76,18 +102,24 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
                 error = error or (f"stage {s} returns {len(out_metas)} tensors; at most "
                                   f"{_MAX_TENSORS} may pass between two stages")
                 status, out_metas = _FAILED, ()
-            if stage_rank(s + 1, p) == stage_rank(s, p):
-                local[s] = (status, out_metas)
+            if stage_rank(s + 1, p, v_shaped) == stage_rank(s, p, v_shaped):
+                local[s] = (status, n_large, out_metas)
             else:
-                peer = stage_rank(s + 1, p)
+                peer = stage_rank(s + 1, p, v_shaped)
                 with comm.failures_named(SHAPES, pg, ("stage", s, "sending"), peer):
-                    dist.send(_encode(status, out_metas, comm_dev), group=pg, group_dst=peer)
-    return error
+                    dist.send(_encode(status, n_large, out_metas, comm_dev), group=pg,
+                              group_dst=peer)
+    return error, n_large
 
 
 def _stage_outputs(stage: PipelineStage, in_metas: Metas,
-                   first_inputs: Optional[Tuple[torch.Tensor, ...]]) -> Metas:
+                   first_inputs: Optional[Tuple[torch.Tensor, ...]], small_pass: bool) -> Metas:
+    """The stage's output shapes for ``in_metas``. Declared shapes describe the first microbatch;
+    the smaller microbatches of an uneven split are always run."""
     s = stage.stage_index
+    if small_pass:
+        stage.in_metas = in_metas
+        return _run_for_shapes(stage, in_metas, first_inputs)
     if stage.declared_in is not None and stage.declared_in != in_metas:
         raise ValueError(f"input_args declares {describe(stage.declared_in)} but stage "
                          f"{'0 is given' if stage.is_first else f'{s - 1} produces'} "
@@ -96,6 +128,12 @@ def _stage_outputs(stage: PipelineStage, in_metas: Metas,
     if stage.declared_out is not None:
         stage.out_metas = stage.declared_out
         return stage.out_metas
+    return _run_for_shapes(stage, in_metas, first_inputs)
+
+
+def _run_for_shapes(stage: PipelineStage, in_metas: Metas,
+                    first_inputs: Optional[Tuple[torch.Tensor, ...]]) -> Metas:
+    s = stage.stage_index
     inputs = first_inputs if stage.is_first else zeros(in_metas, stage.device)
     try:
         with torch.no_grad():

@@ -4,7 +4,8 @@ Nothing here touches torch.distributed, so every rank computes the identical pla
 numbers (ranks ``p``, stages per rank ``v``, microbatches ``m``, forward-only or not), and the tests
 check the plan itself with a simulator instead of hoping a multi-rank run happens to hit a race.
 
-Placement is torch's "loop" style: stage ``s`` lives on group rank ``s % p``.
+Placement is torch's "loop" style (stage ``s`` on group rank ``s % p``), or for ZBV and DualPipeV its
+"v" style (stage ``s`` on rank ``s`` for ``s < p``, on rank ``2p-1-s`` after).
 
 Orders (one list of ``Action`` per rank):
   * GPipe: all forwards, then all backwards.
@@ -14,6 +15,8 @@ Orders (one list of ``Action`` per rank):
     local stage in rounds of ``mpr = m // max(1, m // p)`` (``m`` must be a multiple of the number
     of rounds); ``(v - 1) * mpr + 2 * (p - 1 - rank)`` warm-up forwards, then F/B pairs, then the
     remaining backwards.
+  * Split-backward schedules (ZB-H1, interleaved zero bubble, ZBV, DualPipeV): actions F, B (input
+    gradients) and W (weight gradients, no message), ordered by zero_bubble.py.
 
 Messages: a forward of stage ``s < S-1`` produces ``act(s, mb)`` for stage ``s+1``; a backward of stage
 ``s > 0`` produces ``grad(s, mb)`` (the gradient of stage ``s``'s input) for stage ``s-1``.
@@ -42,15 +45,20 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 ACT, GRAD = "act", "grad"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "interleaved_zb", "zbv", "dualpipev")
+# Schedules whose backward is split: B computes the input gradients (sent on at once), W later the
+# weight gradients of the same stage and microbatch (split_backward.py).
+SPLIT_BACKWARD = ("zbh1", "interleaved_zb", "zbv", "dualpipev")
+# Schedules that place stage s on rank s for s < p and on rank 2p-1-s after (two stages per rank).
+V_SHAPED = ("zbv", "dualpipev")
 DEFAULT_LOOKAHEAD = 2
 
 
 @dataclass(frozen=True)
 class Action:
-    op: str  # FORWARD or BACKWARD
+    op: str  # FORWARD, BACKWARD or WEIGHT
     stage: int
     mb: int
 
@@ -80,11 +88,17 @@ class Step:
     action: Optional[Action]     # None for the closing step (last sends only)
 
 
-def stage_rank(stage: int, p: int) -> int:
+def stage_rank(stage: int, p: int, v_shaped: bool = False) -> int:
+    """The group rank of ``stage``: torch's "loop" placement (``s % p``), or its "v" placement
+    (stage ``s`` and stage ``2p-1-s`` on rank ``s``: the first and the last stage share rank 0)."""
+    if v_shaped:
+        return stage if stage < p else 2 * p - 1 - stage
     return stage % p
 
 
-def local_stages(rank: int, p: int, v: int) -> List[int]:
+def local_stages(rank: int, p: int, v: int, v_shaped: bool = False) -> List[int]:
+    if v_shaped:
+        return [rank, 2 * p - 1 - rank]
     return [rank + j * p for j in range(v)]
 
 
@@ -102,8 +116,12 @@ def check_counts(schedule: str, p: int, v: int, m: int) -> Optional[str]:
         return f"need at least one rank and one stage per rank (got {p} ranks, {v} stages per rank)"
     if m < 1:
         return f"n_microbatches must be >= 1, got {m}"
-    if schedule != "interleaved_1f1b" and v != 1:
-        return f"{schedule} runs one stage per rank; got {v} (use ScheduleInterleaved1F1B)"
+    if schedule in V_SHAPED and v != 2:
+        return (f"{schedule} runs exactly 2 stages per rank in a V (rank r holds stages r and "
+                f"2p-1-r, so num_stages must be 2 x the group size); got {v} stages per rank")
+    if schedule in ("gpipe", "1f1b", "zbh1") and v != 1:
+        return (f"{schedule} runs one stage per rank; got {v} (use ScheduleInterleaved1F1B or "
+                f"ScheduleInterleavedZeroBubble)")
     if schedule == "interleaved_1f1b":
         n_rounds, _ = rounds(p, m)
         if m % n_rounds:
@@ -119,6 +137,9 @@ def rank_order(schedule: str, rank: int, p: int, v: int, m: int, backward: bool)
         raise ValueError(err)
     if schedule == "interleaved_1f1b":
         return _interleaved_order(rank, p, v, m, backward)
+    if schedule in SPLIT_BACKWARD:
+        from .zero_bubble import zero_bubble_orders
+        return list(zero_bubble_orders(schedule, p, v, m, backward)[rank])
     fwd = [Action(FORWARD, rank, i) for i in range(m)]
     if not backward:
         return fwd
@@ -155,25 +176,29 @@ def _interleaved_order(rank: int, p: int, v: int, m: int, backward: bool) -> Lis
 
 
 def produced(action: Action, num_stages: int) -> Optional[Message]:
+    if action.op == WEIGHT:
+        return None
     if action.op == FORWARD:
         return Message(ACT, action.stage, action.mb) if action.stage < num_stages - 1 else None
     return Message(GRAD, action.stage, action.mb) if action.stage > 0 else None
 
 
 def needed(action: Action, num_stages: int) -> Optional[Message]:
+    if action.op == WEIGHT:
+        return None
     if action.op == FORWARD:
         return Message(ACT, action.stage - 1, action.mb) if action.stage > 0 else None
     return Message(GRAD, action.stage + 1, action.mb) if action.stage < num_stages - 1 else None
 
 
 def build_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
-               lookahead: int = DEFAULT_LOOKAHEAD) -> Dict[int, List[Step]]:
+               lookahead: int = DEFAULT_LOOKAHEAD, v_shaped: bool = False) -> Dict[int, List[Step]]:
     """The communication plan of every rank (see the module docstring)."""
     if lookahead < 0:
         raise ValueError(f"lookahead must be >= 0, got {lookahead}")
 
     def remote(msg: Message) -> bool:
-        return stage_rank(msg.src_stage, p) != stage_rank(msg.dst_stage, p)
+        return stage_rank(msg.src_stage, p, v_shaped) != stage_rank(msg.dst_stage, p, v_shaped)
 
     # Per (sender, receiver): messages in the order the sender produces them.
     fifo: Dict[Tuple[int, int], List[Message]] = defaultdict(list)
@@ -181,7 +206,7 @@ def build_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
         for a in order:
             msg = produced(a, num_stages)
             if msg is not None and remote(msg):
-                fifo[src, stage_rank(msg.dst_stage, p)].append(msg)
+                fifo[src, stage_rank(msg.dst_stage, p, v_shaped)].append(msg)
     position = {(pair, msg): i for pair, msgs in fifo.items() for i, msg in enumerate(msgs)}
 
     plans: Dict[int, List[Step]] = {}
@@ -196,7 +221,7 @@ def build_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
                 msg = needed(a, num_stages)
                 if msg is None or not remote(msg):
                     continue
-                src = stage_rank(msg.src_stage, p)
+                src = stage_rank(msg.src_stage, p, v_shaped)
                 pair = (src, rank)
                 target = position[pair, msg] + 1
                 recvs += fifo[pair][posted_upto[src]:target]
@@ -214,13 +239,14 @@ class PlanError(RuntimeError):
 
 
 def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: int,
-             num_stages: int, grouped: bool) -> None:
+             num_stages: int, grouped: bool, v_shaped: bool = False) -> None:
     """Run the plans on an abstract network; raise ``PlanError`` on a mismatch or a deadlock.
 
     ``grouped=False``: each send/receive completes once its partner is posted (gloo).
     ``grouped=True``: a batch completes only when all its operations are matched and every earlier
     batch of the same rank has completed (NCCL groups on one stream), the strictest model.
-    Local hand-offs (both stages on one rank) must be produced before they are consumed.
+    Local hand-offs (both stages on one rank) must be produced before they are consumed; a
+    backward runs after its forward, a weight-gradient step after its backward.
     """
     posted: Dict[Tuple[str, int, int], List[Message]] = defaultdict(list)
     batch_ops: Dict[int, List[Tuple[str, int, int, int]]] = {}
@@ -256,7 +282,7 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
         bid, idx = recv_at[rank, msg]
         if grouped:
             return batch_done(rank, bid)
-        return matched("recv", stage_rank(msg.src_stage, p), rank, idx)
+        return matched("recv", stage_rank(msg.src_stage, p, v_shaped), rank, idx)
 
     progress = True
     while progress:
@@ -268,11 +294,11 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
                 if posted_step[rank] < k:
                     ops = []
                     for msg in step.sends:
-                        dst = stage_rank(msg.dst_stage, p)
+                        dst = stage_rank(msg.dst_stage, p, v_shaped)
                         posted["send", rank, dst].append(msg)
                         ops.append(("send", rank, dst, len(posted["send", rank, dst]) - 1))
                     for msg in step.recvs:
-                        src = stage_rank(msg.src_stage, p)
+                        src = stage_rank(msg.src_stage, p, v_shaped)
                         posted["recv", src, rank].append(msg)
                         ops.append(("recv", src, rank, len(posted["recv", src, rank]) - 1))
                         recv_at[rank, msg] = (next_batch, len(posted["recv", src, rank]) - 1)
@@ -295,9 +321,10 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
                         if producer not in done_actions:
                             raise PlanError(f"rank {rank}: {step.action} needs the local {need} "
                                             f"before {producer} has run")
-                    if step.action.op == BACKWARD and Action(FORWARD, step.action.stage,
-                                                             step.action.mb) not in done_actions:
-                        raise PlanError(f"rank {rank}: {step.action} runs before its forward")
+                    before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(step.action.op)
+                    if before and Action(before, step.action.stage,
+                                         step.action.mb) not in done_actions:
+                        raise PlanError(f"rank {rank}: {step.action} runs before its {before}")
                     done_actions.add(step.action)
                 pc[rank] += 1
                 progress = True
@@ -328,11 +355,12 @@ def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: 
     if no lookahead down to 0 is safe (not seen for any p <= 6, v <= 4, m <= 16; see the tests).
     """
     orders = {r: rank_order(schedule, r, p, v, m, backward) for r in range(p)}
+    v_shaped = schedule in V_SHAPED
     errors = []
     for look in range(lookahead, -1, -1):
-        plans = build_plan(orders, p, p * v, look)
+        plans = build_plan(orders, p, p * v, look, v_shaped)
         try:
-            simulate(orders, plans, p, p * v, grouped)
+            simulate(orders, plans, p, p * v, grouped, v_shaped)
             return orders, plans, look
         except PlanError as e:
             errors.append(f"lookahead {look}: {e}")

@@ -1,10 +1,12 @@
 """Schedules with torch.distributed.pipelining's API: ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B``; ``.step(*args, target=None, losses=None)`` on every rank.
+``ScheduleInterleaved1F1B``, and the split-backward ones ``ScheduleZBH1``,
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``;
+``.step(*args, target=None, losses=None)`` on every rank.
 
 A step:
   1. one fixed-size exchange of every rank's arguments (``errors.agree_step``): schedule, microbatch
      count, stage placement, the first stage's batch and the last stage's target. Any problem --
-     a batch that does not split into equal microbatches, a missing target, ranks that disagree --
+     a batch with fewer rows than microbatches, a missing target, ranks that disagree --
      raises the same ``InputError`` on every rank before any transfer;
   2. on the first step, or when the first stage's microbatch shapes change, the metadata pass of
      meta.py agrees on every activation's shape;
@@ -13,9 +15,15 @@ A step:
      agreed one, fails the step with the same ``PipelineError`` on every rank.
 Steps 1 and 4 are skipped with ``pyfused.comm.set_validation(False)``.
 
-Gradients: the last stage backpropagates ``loss / n_microbatches`` (``scale_grads=True``, torch's
-default), so with a mean-reduced ``loss_fn`` the parameter gradients equal those of one
-full-batch step. Unlike torch, which divides ``.grad`` after the step, pyfused scales the loss, so
+Microbatches: every positional argument (and the target) is split along dim 0 like
+``torch.tensor_split(t, n_microbatches)``: when ``n_microbatches`` does not divide the batch ``b``,
+the first ``b % n_microbatches`` microbatches get one row more.
+
+Gradients: the last stage backpropagates ``loss_i * rows_i / rows`` for microbatch ``i`` (rows of
+the target; ``loss / n_microbatches`` when they are equal) with ``scale_grads=True``, torch's
+default, so with a mean-reduced ``loss_fn`` the parameter gradients equal those of one full-batch
+step, uneven split included. torch divides ``.grad`` by ``n_microbatches`` after the step instead,
+which with an uneven split weights the rows of small microbatches more. pyfused scales the loss, so
 gradients already accumulated before ``step`` are left untouched.
 """
 from __future__ import annotations
@@ -31,7 +39,8 @@ from . import meta
 from .errors import agree_step, raise_if_any
 from .executor import StepRun
 from .p2p import Transport, completes_as_group
-from .plan import DEFAULT_LOOKAHEAD, SCHEDULES, check_counts, choose_plan, local_stages
+from .plan import (DEFAULT_LOOKAHEAD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_counts,
+                   choose_plan, local_stages)
 from .stage import PipelineStage, describe
 
 MAX_ARGS = 4       # step arguments described in the per-step signature (more are allowed)
@@ -63,7 +72,7 @@ class _PipelineSchedule:
                                                                       "defer_pp_recv")]
         if self._error is None and (given or unknown):
             self._error = (f"{', '.join(given + unknown)} not supported: pyfused splits every "
-                           f"positional tensor argument (and the target) into equal microbatches "
+                           f"positional tensor argument (and the target) into microbatches "
                            f"along dim 0 and concatenates outputs along dim 0")
         elif self._error is None and torch_only.get("backward_requires_autograd") is False:
             self._error = "backward_requires_autograd=False is not supported"
@@ -145,25 +154,30 @@ class _PipelineSchedule:
         if num_stages != p * v:
             return (f"num_stages={num_stages} must equal the group size ({p}) times the stages per "
                     f"rank ({v})")
+        v_shaped = SCHEDULES[sched] in V_SHAPED
         for r, s in zip(ranks, sigs):
             got = list(s.ints[12:12 + min(v, MAX_LOCAL)])
-            want = local_stages(r, p, v)[:MAX_LOCAL]
+            want = sorted(local_stages(r, p, v, v_shaped))[:MAX_LOCAL]
             if got != want:
+                rule = (f"stage s on rank s for s < {p} and on rank {2 * p - 1} - s after, torch's "
+                        f"V placement" if v_shaped else f"stage s on rank s % {p}, torch's loop "
+                        f"placement")
                 return (f"rank {r} holds stages {got}; with {p} ranks and {v} stages per rank it "
-                        f"must hold {want} (stage s on rank s % {p}, torch's loop placement)")
+                        f"must hold {want} ({rule})")
         for r, s in zip(ranks, sigs):
             if r == 0:
                 err = self._check_batch(s, m)
                 if err:
                     return err
-            if r == (num_stages - 1) % p and backward and not s.ints[9]:
+            last_rank = 0 if v_shaped else (num_stages - 1) % p
+            if r == last_rank and backward and not s.ints[9]:
                 return (f"rank {r} holds the last stage and a loss_fn is set: pass "
                         f"step(..., target=...) there")
-            if r == (num_stages - 1) % p and s.ints[9]:
+            if r == last_rank and s.ints[9]:
                 t = s.tensors[MAX_ARGS]
-                if len(t.shape) == 0 or t.shape[0] % m:
-                    return (f"the target {t.describe()} does not split into {m} equal microbatches "
-                            f"along dim 0 (n_microbatches={m})")
+                if len(t.shape) == 0 or t.shape[0] < m:
+                    return (f"the target {t.describe()} has fewer rows (dim 0) than the {m} "
+                            f"microbatches (n_microbatches={m})")
         return None
 
     @staticmethod
@@ -179,11 +193,9 @@ class _PipelineSchedule:
             return (f"the step() arguments have different batch sizes (dim 0): "
                     f"{', '.join(t.describe() for t in shown)}")
         b = sizes.pop()
-        if b % m:
-            return (f"the batch of {b} (dim 0 of {shown[0].describe()}) does not split into "
-                    f"{m} equal microbatches; n_microbatches must divide the batch size "
-                    f"(pyfused does not run unequal microbatches, whose mean losses would not "
-                    f"give the full-batch gradient)")
+        if b < m:
+            return (f"the batch of {b} (dim 0 of {shown[0].describe()}) has fewer rows than the "
+                    f"{m} microbatches; every microbatch needs at least one row")
         return None
 
     def _step(self, args, target, losses, return_outputs, kwargs, backward: bool):
@@ -199,11 +211,14 @@ class _PipelineSchedule:
         target_mbs = [t[0] for t in target_mbs] if target_mbs else None
         for s in self._stages:
             s.reset_step()
-        self._ensure_metas(sigs, arg_mbs[0] if first else None)
         orders, plans, look = self._plan(backward)
+        n_large = args[0].shape[0] % m if first and args else 0  # one row more (tensor_split)
+        self._ensure_metas(sigs, arg_mbs if first else None, n_large)
         run = StepRun(self._stages, self._transport, self._p, backward=backward,
-                      loss_fn=self._loss_fn, scale=1.0 / m if self.scale_grads else 1.0,
-                      arg_mbs=arg_mbs, target_mbs=target_mbs, recorder=self.timeline)
+                      loss_fn=self._loss_fn, scale=self._loss_scales(target_mbs, m),
+                      arg_mbs=arg_mbs, target_mbs=target_mbs, recorder=self.timeline,
+                      split_backward=self._schedule in SPLIT_BACKWARD,
+                      v_shaped=self._schedule in V_SHAPED)
         run.run(plans[self._rank])
         raise_if_any(self._pg, run.error, comm.comm_device(self._pg))
         if last is None:
@@ -216,12 +231,23 @@ class _PipelineSchedule:
         merged = tuple(torch.cat(parts, dim=0) for parts in zip(*last.output_chunks))
         return merged[0] if len(merged) == 1 else merged
 
-    def _ensure_metas(self, sigs, first_inputs) -> None:
+    def _loss_scales(self, target_mbs, m: int) -> List[float]:
+        """The factor of each microbatch's loss (see the module docstring)."""
+        if not self.scale_grads:
+            return [1.0] * m
+        if not target_mbs:
+            return [1.0 / m] * m
+        rows = [t.shape[0] for t in target_mbs]
+        return [r / sum(rows) for r in rows]
+
+    def _ensure_metas(self, sigs, arg_mbs, n_large: int) -> None:
         key = (self._n_microbatches, sigs[0].ints[10] if len(sigs) == self._p else None)
         if key == self._meta_key and all(s.out_metas is not None for s in self._stages):
             return
         self._meta_key = None
-        error = meta.infer(self._stages, self._pg, first_inputs, self._p)
+        error = meta.infer_all(self._stages, self._pg, arg_mbs[0] if arg_mbs else None,
+                               arg_mbs[-1] if arg_mbs else None, n_large, self._p,
+                               self._schedule in V_SHAPED)
         raise_if_any(self._pg, error, comm.comm_device(self._pg))
         self._meta_key = key
         self._transport.pool.clear()
@@ -249,8 +275,10 @@ class _PipelineSchedule:
 
 
 def _split(tensors, m: int) -> List[tuple]:
-    b = tensors[0].shape[0] // m if tensors else 0
-    return [tuple(t.narrow(0, i * b, b) for t in tensors) for i in range(m)]
+    """Microbatches as ``torch.tensor_split`` makes them (the first ``b % m`` one row larger)."""
+    if not tensors:
+        return [()] * m
+    return list(zip(*(torch.tensor_split(t, m, dim=0) for t in tensors)))
 
 
 class _SingleStageSchedule(_PipelineSchedule):
@@ -291,3 +319,46 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec,
                          backward_requires_autograd=backward_requires_autograd)
+
+
+class ScheduleZBH1(_SingleStageSchedule):
+    """ZB-H1 (Qi et al. 2024): one stage per rank, the backward split into B (input gradients,
+    sent on at once) and W (weight gradients), W's held back to fill the drain. Bubble
+    (p-1) / (3m + p-1) with equal F, B, W times (1F1B: (p-1) / (m + p-1)); at most ``p - rank``
+    microbatches before their B (1F1B's) and ``p - 1`` more waiting for their W."""
+    _schedule = "zbh1"
+
+
+class _MultiStageSchedule(_PipelineSchedule):
+    """A schedule of several stages per rank (torch's multi-stage constructor signature)."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn=None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, *, lookahead: int = DEFAULT_LOOKAHEAD):
+        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads, lookahead,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec,
+                         backward_requires_autograd=backward_requires_autograd)
+
+
+class ScheduleInterleavedZeroBubble(_MultiStageSchedule):
+    """Several stages per rank in torch's loop placement (stage s on rank s % p), split backward,
+    W's filling the bubbles; activation memory bounded like interleaved 1F1B's. Unlike torch's,
+    any ``n_microbatches >= 1`` is accepted (no multiple-of-rounds rule)."""
+    _schedule = "interleaved_zb"
+
+
+class ScheduleZBVZeroBubble(_MultiStageSchedule):
+    """ZB-V: exactly two stages per rank in a V (rank r holds stages r and 2p-1-r, so the first and
+    the last stage, with the loss, are on rank 0), split backward; activation memory bounded by
+    1F1B's (2p half-stage microbatches per rank)."""
+    _schedule = "zbv"
+
+
+class ScheduleDualPipeV(_MultiStageSchedule):
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V of two stages per rank): in the steady
+    state a rank runs the forward of one microbatch and the backward (B) of another as one pair,
+    whose transfers are posted together so that the forward's output travels while the backward
+    computes; W's fill the rest. Unlike torch's, fewer microbatches than stages are accepted."""
+    _schedule = "dualpipev"

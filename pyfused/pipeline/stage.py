@@ -10,7 +10,12 @@ Between stages an activation is a tensor or a tuple of tensors: stage ``s`` retu
 floating-point tensor of the activation (integer tensors such as token ids carry none).
 
 Nothing here talks to other ranks: a stage computes, keeps each microbatch's inputs and outputs
-until its backward, and validates what its module returns. A constructor problem is recorded, not
+until its backward (or, when the schedule splits the backward, its input-gradient part B keeps the
+graph until the weight-gradient part W: split_backward.py), and validates what its module returns.
+
+With uneven microbatches (a batch that ``n_microbatches`` does not divide, split like
+``torch.tensor_split``) the first ``n_large`` microbatches are one row larger than the others, so
+their activations may have two shapes; both are agreed by the metadata pass (meta.py). A constructor problem is recorded, not
 raised, so the schedule can report it on every rank at once (see errors.py).
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from .split_backward import backward_input, backward_weight
 
 Metas = Tuple[comm.TensorMeta, ...]
 
@@ -53,11 +59,12 @@ def zeros(metas: Metas, device: torch.device) -> Tuple[torch.Tensor, ...]:
 
 
 class _MicrobatchState:
-    __slots__ = ("inputs", "outputs", "buffers", "loss", "failed")
+    __slots__ = ("inputs", "outputs", "buffers", "loss", "failed", "weight_work")
 
     def __init__(self, inputs, outputs, buffers, loss=None, failed=False):
         self.inputs, self.outputs, self.buffers, self.loss, self.failed = (
             inputs, outputs, buffers, loss, failed)
+        self.weight_work = None  # after a split B: what W must do
 
 
 class PipelineStage:
@@ -85,8 +92,10 @@ class PipelineStage:
                           f"{stage_index!r}, num_stages={num_stages!r}")
         self.declared_in = self._declared(input_args, "input_args")
         self.declared_out = self._declared(output_args, "output_args")
-        self.in_metas: Optional[Metas] = None   # agreed on the first step
+        self.in_metas: Optional[Metas] = None   # agreed on the first step (microbatch 0)
         self.out_metas: Optional[Metas] = None
+        # (n_large, in, out): microbatches from n_large on are one row smaller and have these
+        self.small_metas: Optional[Tuple[int, Metas, Metas]] = None
         self._state: Dict[int, _MicrobatchState] = {}
         self.output_chunks: List[Tuple[torch.Tensor, ...]] = []
         self.losses: List[torch.Tensor] = []
@@ -99,6 +108,14 @@ class PipelineStage:
             self.error = f"{name} must be a tensor or a tuple of tensors"
             return None
         return metas_of(tensors)
+
+    def in_metas_of(self, mb: int) -> Metas:
+        small = self.small_metas
+        return self.in_metas if small is None or mb < small[0] else small[1]
+
+    def out_metas_of(self, mb: int) -> Metas:
+        small = self.small_metas
+        return self.out_metas if small is None or mb < small[0] else small[2]
 
     @property
     def is_first(self) -> bool:
@@ -128,11 +145,11 @@ class PipelineStage:
         if bad:
             raise TypeError(f"stage {self.stage_index} returned {bad[0]}; a stage must return a "
                             f"tensor or a tuple of tensors")
-        if not self.is_last and metas_of(outs) != self.out_metas:
+        if not self.is_last and metas_of(outs) != self.out_metas_of(mb):
             if self.declared_out is not None:
-                why = f"but its output_args declare {describe(self.out_metas)}"
+                why = f"but its output_args declare {describe(self.out_metas_of(mb))}"
             else:
-                why = (f"but {describe(self.out_metas)} was agreed on the first step; the shapes "
+                why = (f"but {describe(self.out_metas_of(mb))} was agreed on the first step; the shapes "
                        f"between stages must not change from microbatch to microbatch")
             raise ValueError(f"stage {self.stage_index} returned {describe(metas_of(outs))} for "
                              f"microbatch {mb} {why}")
@@ -155,7 +172,7 @@ class PipelineStage:
         self._state[mb] = _MicrobatchState((), (), buffers, failed=True)
         if self.is_last:
             return ()
-        return zeros(self.out_metas, self.device)
+        return zeros(self.out_metas_of(mb), self.device)
 
     def forward_ok(self, mb: int) -> bool:
         state = self._state.get(mb)
@@ -165,15 +182,19 @@ class PipelineStage:
         """Forget microbatch ``mb`` (forward-only steps); return its receive buffers."""
         return self._state.pop(mb).buffers
 
-    def backward_one(self, mb: int, output_grads: Tuple[torch.Tensor, ...], scale: float
-                     ) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
+    def backward_one(self, mb: int, output_grads: Tuple[torch.Tensor, ...], scale: float,
+                     split: bool = False, hold: Tuple = ()) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
         """Backward of one microbatch. Returns (gradients of the floating inputs to send, receive
         buffers now free). The last stage backpropagates ``loss * scale``; the others the
-        gradients they received (already scaled)."""
-        st = self._state.pop(mb)
+        gradients they received (already scaled). ``split=True`` runs B only: the weight
+        gradients wait for ``backward_weight_one``, which frees the buffers (the received
+        activation and ``hold``, the received gradient: W may still read both)."""
+        st = self._state[mb] if split else self._state.pop(mb)
         if st.failed:
             raise RuntimeError(f"stage {self.stage_index}: no backward for microbatch {mb} because "
                                f"its forward failed")
+        if split:
+            return self._backward_input(mb, st, output_grads, scale, hold)
         if self.is_last:
             if st.loss is None:
                 raise RuntimeError("the last stage has no loss to backpropagate (loss_fn is None)")
@@ -189,9 +210,53 @@ class PipelineStage:
                       for x in st.inputs if x.dtype.is_floating_point or x.dtype.is_complex)
         return grads, st.buffers
 
-    def backward_failed(self, mb: int) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
+    def _backward_input(self, mb: int, st: _MicrobatchState, output_grads, scale: float, hold
+                        ) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
+        if self.is_last:
+            if st.loss is None:
+                raise RuntimeError("the last stage has no loss to backpropagate (loss_fn is None)")
+            outputs, grads = [st.loss * scale if scale != 1.0 else st.loss], [None]
+        else:
+            floating = [o for o in st.outputs if o.dtype.is_floating_point or o.dtype.is_complex]
+            outputs, grads = floating, list(output_grads)
+        floating_in = [x for x in st.inputs if x.dtype.is_floating_point or x.dtype.is_complex]
+        params = [p for p in self.submod.parameters() if p.requires_grad]
+        input_grads, st.weight_work = backward_input(outputs, grads, floating_in, params)
+        # W starts from the kept frontier: the outputs and input leaves are no longer needed (the
+        # graph keeps what W reads; the receive buffers stay out of the pool until W)
+        st.inputs, st.outputs, st.loss = (), (), None
+        st.buffers = tuple(st.buffers) + tuple(hold)
+        if self.is_first:
+            return (), ()
+        return tuple(g if g is not None else torch.zeros_like(x)
+                     for g, x in zip(input_grads, floating_in)), ()
+
+    def backward_weight_one(self, mb: int) -> Tuple:
+        """W of one microbatch after its split B; returns the receive buffers now free."""
+        st = self._state[mb]
+        if st.failed or st.weight_work is None:
+            raise RuntimeError(f"stage {self.stage_index}: no weight gradients for microbatch {mb} "
+                               f"because its {'forward' if st.failed else 'B'} failed")
+        backward_weight(st.weight_work)
+        return self._state.pop(mb).buffers
+
+    def weight_failed(self, mb: int) -> Tuple:
         st = self._state.pop(mb, None)
-        grads = () if self.is_first else zeros(grad_metas(self.in_metas), self.device)
+        return st.buffers if st is not None else ()
+
+    def backward_failed(self, mb: int, split: bool = False, hold: Tuple = ()
+                        ) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
+        """Zeros for the previous stage after a failure. With ``split`` the microbatch stays
+        (marked failed) until its W, which releases its buffers and ``hold``."""
+        grads = () if self.is_first else zeros(grad_metas(self.in_metas_of(mb)), self.device)
+        if split:
+            st = self._state.get(mb)
+            if st is None:
+                st = self._state[mb] = _MicrobatchState((), (), (), failed=True)
+            st.failed = True
+            st.buffers = tuple(st.buffers) + tuple(hold)
+            return grads, ()
+        st = self._state.pop(mb, None)
         return grads, (st.buffers if st is not None else ())
 
     def reset_step(self) -> None:

@@ -65,7 +65,8 @@ def bubble(events_by_rank: List[List[Dict]]) -> float:
 
 
 def draw(events_by_rank: List[List[Dict]], path, title: str) -> None:
-    """One row per rank: forward (blue) and backward (green) compute labelled stage.microbatch,
+    """One row per rank: forward (blue), backward (green; input gradients only in a split
+    schedule) and weight-gradient (purple) compute labelled stage.microbatch,
     time spent posting a batch of transfers (black, above), time blocked on a receive (red,
     below), and a grey line per transfer from the sender's post to the end of the receiver's wait."""
     import matplotlib
@@ -81,7 +82,7 @@ def draw(events_by_rank: List[List[Dict]], path, title: str) -> None:
         for e in evs:
             ms = (e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)
             if e["kind"] == "compute":
-                color = "#4C72B0" if e["op"] == "F" else "#55A868"
+                color = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2"}[e["op"]]
                 ax.broken_barh([ms], (y - 0.35, 0.7), facecolors=color, edgecolor="black", lw=0.3)
                 if ms[1] > 0.02 * span(events_by_rank) * 1e3:
                     ax.text(ms[0] + ms[1] / 2, y, f"{e['op']}{e['stage']}.{e['mb']}", ha="center",

@@ -21,15 +21,16 @@ import torch.distributed as dist
 
 from ..bench import launch
 from ..bench.cli import DTYPES
+from ..ops.registry import OPS as SPECS
 from .tuner import CHUNKED, DEFAULT_MARGIN, OPS, TUNABLE
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pyfused.tune",
                                 description="Tune pyfused ops' methods per shape for method='auto'.")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all four)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
     p.add_argument("--shapes", help="as for python -m pyfused.bench (default: the device's benchmark "
-                                    "shapes); see benchmarks/shapes.py")
+                                    "shapes); see pyfused/bench/shapes.py")
     p.add_argument("--quick", action="store_true", help="the --quick benchmark shapes")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--methods", default=",".join(TUNABLE),
@@ -79,9 +80,9 @@ def worker(args: argparse.Namespace, backend: str) -> int:
 
 def _op_shapes(op, args, world, device_type, dtype):
     """The benchmark's shapes of ``op`` (all_reduce_add_rmsnorm: x [rows, hidden], weight [hidden])."""
-    from pyfused.benchmarks import shapes
+    from pyfused.bench import shapes
 
-    if op != "all_reduce_add_rmsnorm":
+    if SPECS[op].gemm:
         return shapes.parse(args.shapes, op, world, device_type, args.quick)
     esize = torch.empty((), dtype=dtype).element_size()
     return [shapes.OpShape(f"{rows}x{hidden}", op, (rows, hidden), (hidden,))
@@ -110,15 +111,15 @@ def _print(results, world, backend, path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        from pyfused.benchmarks import shapes
+        from pyfused.bench import shapes
 
         ops = [o.strip() for o in args.ops.split(",") if o.strip()]
         unknown = [o for o in ops if o not in OPS]
         if unknown:
             raise ValueError(f"--ops: unknown {unknown}; choose from {', '.join(OPS)}")
-        if any(op != "all_reduce_add_rmsnorm" for op in ops):
+        if any(SPECS[op].gemm for op in ops):
             shapes.validate(args.shapes)
-        if "all_reduce_add_rmsnorm" in ops:
+        if any(not SPECS[op].gemm for op in ops):
             shapes.norm_shapes(args.shapes, "cpu", args.quick, 4)
         backend = launch.resolve_backend(args.backend)
         if args.cache:

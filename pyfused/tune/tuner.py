@@ -23,11 +23,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS
 from . import Entry, key, store
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_add_rmsnorm")
-# Ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
-CHUNKED = ("matmul_all_reduce", "all_reduce_add_rmsnorm")
+OPS = tuple(SPECS)
+# CHUNKED: the ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
 NORM_EPS = 1e-6
 TUNABLE = ("unfused", "decomposed", "fused")
 DEFAULT_CHUNKS = (2, 4, 8)
@@ -92,17 +92,15 @@ def _device_for(pg, device) -> torch.device:
 def _op_call(op: str, a_shape, b_shape, dtype, device, rank: int, pg) -> Callable[..., object]:
     """``call(method=..., [chunks=...])`` running ``op`` on fixed random inputs of these shapes
     (per-rank a / x; replicated residual and weight, as in a TP model)."""
-    from .. import ops
-
     gen = torch.Generator().manual_seed(7 + rank)
     a = torch.randn(a_shape, generator=gen).to(device, dtype)
-    if op == "all_reduce_add_rmsnorm":
+    fn = SPECS[op].function
+    if not SPECS[op].gemm:
         shared = torch.Generator().manual_seed(11)
         residual = torch.randn(a_shape, generator=shared).to(device, dtype)
         weight = (1 + 0.1 * torch.randn(b_shape, generator=shared)).to(device, dtype)
-        return lambda **kw: ops.all_reduce_add_rmsnorm(a, residual, weight, NORM_EPS, pg, **kw)
+        return lambda **kw: fn(a, residual, weight, NORM_EPS, pg, **kw)
     b = (torch.randn(b_shape, generator=gen) * b_shape[0] ** -0.5).to(device, dtype)
-    fn = getattr(ops, op)
     return lambda **kw: fn(a, b, pg, **kw)
 
 
@@ -133,8 +131,8 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
                          f"got {bad}")
     a_shape, b_shape = tuple(int(d) for d in a_shape), tuple(int(d) for d in b_shape)
     rows = math.prod(a_shape[:-1])
-    if op == "all_reduce_add_rmsnorm" and (len(a_shape) < 2 or b_shape != a_shape[-1:]):
-        raise ValueError(f"tune(all_reduce_add_rmsnorm): x must be [..., hidden] and the weight "
+    if not SPECS[op].gemm and (len(a_shape) < 2 or b_shape != a_shape[-1:]):
+        raise ValueError(f"tune({op}): x must be [..., hidden] and the weight "
                          f"[hidden]; got x {a_shape}, weight {b_shape}")
     if op in CHUNKED:
         chunk_list = tuple(sorted({min(int(c), rows) for c in (chunks or DEFAULT_CHUNKS)}))

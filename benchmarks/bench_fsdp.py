@@ -1,0 +1,255 @@
+"""Fully sharded data parallel: ``pyfused.fully_shard`` against torch's ``fully_shard`` (FSDP2).
+
+Model: ``depth`` residual blocks (Linear(width, 2*width) + GELU + Linear(2*width, width)), an input
+and an output Linear; each block one unit, then the root, on the same 1-D mesh, fp32 parameters,
+AdamW (foreach), MSE loss on a random batch per rank, ``reshard_after_forward=True``. One step =
+``zero_grad`` + forward + backward + ``optimizer.step()``.
+
+Rows (``method``):
+  torch-fsdp2     torch.distributed.fsdp.fully_shard (the baseline of ``speedup``)
+  pyfused         pyfused.fully_shard, same arguments
+  compute alone   the unsharded model in one process on the rank's batch: forward + backward + step
+  comm alone      one step's collectives, on buffers of pyfused's unit sizes: every unit's all-gather
+                  for forward, again for backward (the root's once) and its reduce-scatter, launched
+                  in that order one at a time and waited (no compute)
+Derived columns:
+  comm_hidden = (T_compute + T_comm - T_step) / T_comm: the fraction of the communication hidden
+                under computation (1: all; 0: none; negative: slower than serial);
+  state_MB    = this rank's parameter, gradient and optimizer-state bytes after a step (local
+                shards; storages counted once);
+  peak_MB     = the peak of live tensor bytes during one step (``torch.distributed._tools.
+                mem_tracker.MemTracker``: parameters, gradients, optimizer state, activations and
+                communication buffers, whichever implementation allocates them).
+Goals (reported, not asserted): step time <= 1.0 x torch FSDP2, peak_MB <= torch's.
+
+Standalone: ``torchrun --nproc-per-node 2 -m pyfused.benchmarks.bench_fsdp [--quick]``.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pyfused import comm
+from pyfused.bench.harness import op_row, time_interleaved
+
+MULTI_RANK = True
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    depth: int
+    width: int
+    batch: int
+
+    @property
+    def label(self) -> str:
+        return f"blocks {self.depth}x{self.width} b{self.batch}"
+
+
+# CPU: ~8.4M parameters (32 MB fp32) in 8 units of 4 MB, a step of ~0.1-0.2 s per rank on one core.
+SHAPES = {("cpu", False): ModelShape(8, 512, 64), ("cpu", True): ModelShape(3, 256, 32),
+          ("cuda", False): ModelShape(16, 4096, 4096), ("cuda", True): ModelShape(4, 1024, 1024)}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.inp = nn.Linear(shape.width, shape.width)
+        self.blocks = nn.ModuleList(Block(shape.width) for _ in range(shape.depth))
+        self.out = nn.Linear(shape.width, 16)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def shape_of(ctx) -> ModelShape:
+    spec = ctx.options.get("shapes")
+    if spec:
+        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", spec)
+        if not m:
+            raise ValueError(f"bench_fsdp: --shapes takes DEPTHxWIDTHxBATCH, got {spec!r}")
+        return ModelShape(*map(int, m.groups()))
+    return SHAPES[(ctx.device.type, bool(ctx.quick))]
+
+
+def sharded(name: str, base: nn.Module, mesh) -> nn.Module:
+    model = copy.deepcopy(base)
+    if name == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from pyfused.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def make_opt(model: nn.Module):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+
+def step_fn(model, opt, x, y) -> Callable[[], None]:
+    def step():
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def comm_alone(model: nn.Module, ctx) -> Callable[[], None]:
+    """pyfused's collectives of one step, one at a time, on buffers of its unit sizes."""
+    units = [model._pyfused_fsdp] + [b._pyfused_fsdp for b in model.blocks]
+    w, g, dev = ctx.world, ctx.group, ctx.device
+    plan = []  # (kind, numel of one rank's shard)
+    for u in units:  # forward
+        plan.append(("gather", u.group.shard_numel))
+    for u in reversed(units):  # backward: blocks gathered again, then every unit reduced
+        if u is not units[0]:
+            plan.append(("gather", u.group.shard_numel))
+        plan.append(("reduce", u.group.grad_numel + len(u.group.trainable)))
+    bufs = [(kind, torch.zeros(n, device=dev), torch.zeros(w * n, device=dev)) for kind, n in plan]
+
+    def run():
+        for kind, shard, full in bufs:
+            if kind == "gather":
+                comm.all_gather_single(full, shard, group=g)
+            else:
+                comm.reduce_scatter_single(shard, full, group=g)
+    return run
+
+
+def local_bytes(model, opt) -> int:
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [v for st in opt.state.values() for v in st.values()]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = getattr(t, "_local_tensor", t)
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def peak_bytes(model, opt, step) -> int:
+    """Peak live tensor bytes of one step on this rank (MemTracker), or -1 where it cannot run."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:  # pragma: no cover - older torch
+        return -1
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    snap = tracker.get_tracker_snapshot("peak")
+    return max(v.get("Total", 0) for v in snap.values())
+
+
+def run(ctx) -> List[Dict]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shape = shape_of(ctx)
+    dev = ctx.device
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    x = torch.randn(shape.batch, shape.width, generator=gen).to(dev)
+    y = torch.randn(shape.batch, 16, generator=gen).to(dev)
+    torch.manual_seed(0)
+    base = Model(shape).to(dev)
+    mesh = DeviceMesh.from_group(ctx.group, dev.type)
+
+    local = copy.deepcopy(base)
+    timers: Dict[str, Callable[[], None]] = {"compute alone": step_fn(local, make_opt(local), x, y)}
+    memory: Dict[str, Dict] = {}
+    live = []
+    losses = {}
+    for name in ("torch-fsdp2", "pyfused"):
+        model = sharded(name, base, mesh)
+        opt = make_opt(model)
+        step = step_fn(model, opt, x, y)
+        step()
+        with torch.no_grad():  # after one step from the same weights: the same model
+            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
+        memory[name] = {"state_MB": local_bytes(model, opt) / MB,
+                        "peak_MB": peak_bytes(model, opt, step) / MB}
+        if name == "pyfused":
+            timers["comm alone"] = comm_alone(model, ctx)
+        timers[name] = step
+        live.append((model, opt))
+    want, got = losses["torch-fsdp2"], losses["pyfused"]
+    if abs(got - want) > 1e-4 * abs(want):
+        raise RuntimeError(f"bench_fsdp: after one step pyfused's loss is {got}, torch FSDP2's "
+                           f"{want}; not timing a wrong result")
+    t = time_interleaved(timers, ctx)
+    rows = [op_row(ctx, shape=shape.label, dtype=torch.float32, method="compute alone",
+                   transport="none", ms=t["compute alone"],
+                   note="one process, local batch, unsharded, no communication"),
+            op_row(ctx, shape=shape.label, dtype=torch.float32, method="comm alone",
+                   transport=ctx.transport, ms=t["comm alone"],
+                   note=f"{len(live[1][0].blocks) * 3 + 2} collectives of one step, serial")]
+    for name in ("torch-fsdp2", "pyfused"):
+        hidden = (t["compute alone"] + t["comm alone"] - t[name]) / t["comm alone"]
+        rows.append(op_row(ctx, shape=shape.label, dtype=torch.float32, method=name,
+                           transport=ctx.transport, ms=t[name], t_baseline=t["torch-fsdp2"],
+                           t_gemm=t["compute alone"], t_comm=t["comm alone"], comm_hidden=hidden,
+                           note="goal: speedup >= 1.0, peak_MB <= torch's" if name == "pyfused"
+                           else "", **memory[name]))
+    del live
+    return rows
+
+
+def _main() -> None:  # torchrun --nproc-per-node N -m pyfused.benchmarks.bench_fsdp [--quick]
+    import argparse
+
+    from pyfused.bench import launch
+    from pyfused.bench.harness import BenchContext
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--shapes", default=None, help="DEPTHxWIDTHxBATCH")
+    p.add_argument("--iters", type=int, default=None)
+    args = p.parse_args()
+    backend = launch.resolve_backend("auto")
+    rank, world, device = launch.init_rank(backend, 300)
+    warmup, iters = (1, 3) if args.quick else (2, 10)
+    ctx = BenchContext(rank, world, dist.group.WORLD, device, backend, args.quick, warmup,
+                       args.iters or iters, {"shapes": args.shapes})
+    rows = run(ctx)
+    if rank == 0:
+        cols = ("method", "time_ms", "speedup", "comm_hidden", "overlap_eff", "state_MB", "peak_MB")
+        print(f"{rows[0]['shape']}  world={world}  backend={backend}")
+        print("  ".join(f"{c:>14}" for c in cols))
+        for r in rows:
+            print("  ".join(f"{_fmt(r.get(c)):>14}" for c in cols))
+    dist.destroy_process_group()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "" if v != v else f"{v:.3f}"
+    return "" if v is None else str(v)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,179 @@
+"""Per-call overhead of every op and method against the same work written in plain torch.
+
+At latency-bound shapes (a few rows: the host's per-call work is what the time is made of) each op
+of the registry (pyfused/ops/registry.py) runs with methods unfused, decomposed, fused and auto, and
+beside it, in the same run and on the same inputs, the plain-torch program a user would write:
+``a @ b`` plus the torch.distributed collective (all_gather_single then the GEMM; the GEMM then
+all_reduce or reduce_scatter_single), and for all_reduce_add_rmsnorm ``all_reduce``, ``+`` and
+``torch.nn.functional.rms_norm``. At world size 1 the plain program is the computation alone (the
+ops skip the collective of a one-rank group, so they are held to the stricter baseline).
+
+Both world sizes are measured in one run: the run's group (2 ranks by default on CPU) and a group
+of rank 0 alone, while the other ranks wait. Each sample times ``CALLS`` back-to-back calls after a
+barrier; the variants are sampled round-robin, each sample counts as its slowest rank's, and the
+median is reported as microseconds per call (``us_per_call``) beside the plain program's
+(``torch_us``) and their ratio (``overhead_x``, 1.00 = no overhead). Validation runs in the mode the
+process has (``--no-validate`` sets "off"); the first call of every variant is untimed, so mode
+"first" is measured in its steady state.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pyfused import comm, ops
+from pyfused.bench.harness import BenchContext, op_row
+from pyfused.ops import _common
+from pyfused.ops.registry import OPS
+
+MULTI_RANK = True
+METHODS = ("unfused", "decomposed", "fused", "auto")
+EPS = 1e-6
+# Per-rank (rows, K, N) of the GEMM ops and (rows, hidden) of all_reduce_add_rmsnorm.
+GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
+NORM_SHAPES = {"cpu": [(16, 256), (64, 1024)], "cuda": [(16, 4096), (128, 8192)]}
+CALLS = {"cpu": 50, "cuda": 200}
+SAMPLES = {False: 15, True: 3}
+
+
+def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
+    """The same work as ``op`` in plain torch on ``pg``."""
+    world = comm.world_size(pg)
+    collective = OPS[op].collective
+    if not OPS[op].gemm:
+        x, residual, weight = tensors
+
+        def norm():
+            h = x.clone()
+            if world > 1:
+                dist.all_reduce(h, group=pg)
+            h = h + residual
+            return F.rms_norm(h, (h.shape[-1],), weight, EPS), h
+        return norm
+    a, b = tensors
+    if collective == "all_gather":
+        def all_gather():
+            if world == 1:
+                return a @ b
+            gathered = a.new_empty((world * a.shape[0], a.shape[1]))
+            comm.all_gather_single(gathered, a, group=pg)
+            return gathered @ b
+        return all_gather
+    if collective == "reduce_scatter":
+        def reduce_scatter():
+            y = a @ b
+            if world == 1:
+                return y
+            out = y.new_empty((y.shape[0] // world, y.shape[1]))
+            comm.reduce_scatter_single(out, y, group=pg)
+            return out
+        return reduce_scatter
+
+    def all_reduce():
+        y = a @ b
+        if world > 1:
+            dist.all_reduce(y, group=pg)
+        return y
+    return all_reduce
+
+
+def _inputs(op: str, shape: Tuple[int, ...], world: int, ctx: BenchContext):
+    gen = torch.Generator().manual_seed(ctx.rank)
+    dt = ctx.options.get("dtype") or (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(ctx.device, dt)  # noqa: E731
+    if not OPS[op].gemm:
+        rows, hidden = shape
+        return (rand(rows, hidden), rand(rows, hidden), rand(hidden)), f"{rows}x{hidden}", dt
+    m, k, n = shape
+    rows = m * world if OPS[op].scatters_dim0 else m
+    return (rand(rows, k), rand(k, n) * k ** -0.5), f"{rows}x{k}x{n}", dt
+
+
+def _time_per_call(fns: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
+                   samples: int, calls: int) -> Dict[str, float]:
+    """Median over ``samples`` of the slowest rank's time of ``calls`` back-to-back calls, in us
+    per call; the variants round-robin, each called once untimed first."""
+    world = comm.world_size(pg)
+    for fn in fns.values():
+        fn()
+    times: List[float] = []
+    for _ in range(samples):
+        for fn in fns.values():
+            if world > 1:
+                dist.barrier(group=pg)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+    if world > 1:
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        times = t.tolist()
+    return {name: statistics.median(times[i::len(fns)]) for i, name in enumerate(fns)}
+
+
+def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
+    world = comm.world_size(pg)
+    tensors, label, dtype = _inputs(op, shape, world, ctx)
+    fn = OPS[op].function
+    args = (*tensors, EPS, pg) if not OPS[op].gemm else (*tensors, pg)
+    variants: Dict[str, Callable[[], object]] = {"torch": _plain_torch(op, tensors, pg)}
+    unavailable: Dict[str, str] = {}
+    for method in METHODS:
+        call = (lambda m=method: fn(*args, method=m))
+        try:
+            call()  # the first call validates (mode "first" remembers it); raised on every rank alike
+        except _common.MethodUnavailable as e:
+            unavailable[method] = str(e)
+            continue
+        variants[method] = call
+    samples, calls = SAMPLES[ctx.quick], CALLS.get(ctx.device.type, 50)
+    us = _time_per_call(variants, ctx, pg, samples, calls)
+    transport = ctx.transport if world > 1 else "none"
+    rows = []
+    for method in ("torch", *METHODS):
+        common = dict(shape=label, dtype=dtype, transport=transport, op=op, world_size=world,
+                      validate=comm.validation_mode())
+        if method in unavailable:
+            rows.append(op_row(ctx, method=method, ms=None, status="unavailable",
+                               note=f"unavailable: {unavailable[method]}", **common))
+            continue
+        ratio = us[method] / us["torch"]
+        rows.append(op_row(ctx, method=method, ms=us[method] / 1e3, us_per_call=us[method],
+                           torch_us=us["torch"], overhead_x=ratio,
+                           note="plain torch" if method == "torch" else "", **common))
+    return rows
+
+
+def _rows_at(ctx: BenchContext, pg) -> List[dict]:
+    rows = []
+    for op in OPS:
+        table = GEMM_SHAPES if OPS[op].gemm else NORM_SHAPES
+        for shape in table.get(ctx.device.type, table["cuda"])[: 1 if ctx.quick else None]:
+            rows += _op_rows(op, shape, ctx, pg)
+    return rows
+
+
+def run(ctx: BenchContext) -> List[dict]:
+    rows = _rows_at(ctx, ctx.group) if ctx.world > 1 else []
+    alone = [None]
+    if ctx.world > 1:
+        solo = dist.new_group([comm.global_rank(ctx.group, 0)], backend=ctx.backend)
+        if ctx.rank == 0:
+            alone = [_rows_at(ctx, solo)]
+        dist.broadcast_object_list(alone, src=comm.global_rank(ctx.group, 0), group=ctx.group,
+                                   device=ctx.device if ctx.backend == "nccl" else None)
+        if ctx.rank == 0:
+            dist.destroy_process_group(solo)
+    else:
+        alone = [_rows_at(ctx, ctx.group)]
+    return alone[0] + rows

@@ -1,0 +1,272 @@
+"""One ``fully_shard`` unit's parameters: their shards, their gathered form, their gradient reduction.
+
+Layout. Parameter p of shape ``[rows, *rest]`` is cut along dim 0 as ``torch.chunk`` cuts it:
+``chunk = ceil(rows / world)`` rows per rank, rank r holding rows ``[r*chunk, (r+1)*chunk)`` clipped
+to ``rows`` (the last ranks may hold fewer rows, or none). That is ``Shard(0)``'s layout, so the
+shard is a ``DTensor`` over the data-parallel mesh and torch's ``state_dict`` / DCP read and write
+it. Each rank's all-gather input is one flat buffer: every parameter's shard padded to
+``chunk * prod(rest)`` elements, in registration order. One ``all_gather_single`` of that buffer
+gives ``[world, shard_numel]``; parameter p is the ``[world, chunk, *rest]`` view of its columns,
+cut back to ``rows``.
+
+Gathered form. Each parameter has one persistent leaf (an ``nn.Parameter`` in the compute dtype)
+that the module holds while the unit is unsharded. Resharding frees the leaf's storage
+(``resize_(0)``) but keeps the tensor, so the tensors autograd saved in forward come back to life
+when backward gathers again into the same storage. Copies into a leaf go through ``.data`` (a fresh
+version counter), so autograd does not see an in-place change of a saved tensor.
+
+Reduction. The gradients of the trainable parameters (same padded layout, scaled by 1/world) are
+reduce-scattered as one buffer. Each rank's segment ends with one "has a gradient" flag per
+trainable parameter, written into every rank's segment, so every rank receives the sum of the flags
+without another collective: a parameter no rank produced a gradient for keeps its sharded ``.grad``
+untouched (None after ``zero_grad``), as torch's FSDP leaves an unused parameter's gradient.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from ..comm import all_gather_single, reduce_scatter_single
+
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>`` without ``nn.Module.__setattr__``'s checks, except for
+    modules that keep their own view of their parameters (``nn.RNNBase``'s flat weight list)."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
+def _contiguous_stride(shape) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """One parameter: where the module holds it, this rank's shard and its gathered leaf."""
+
+    def __init__(self, owners: List[Tuple[nn.Module, str]], full: Tensor, mesh, rank: int,
+                 world: int, compute_dtype: torch.dtype):
+        self.owners = owners  # (module, attribute name); several for a tied parameter
+        self.shape = tuple(full.shape)
+        self.rows = self.shape[0]
+        self.rest = self.shape[1:]
+        self.row_numel = math.prod(self.rest)
+        self.chunk = -(-self.rows // world)
+        self.padded = self.chunk * self.row_numel
+        lo = min(rank * self.chunk, self.rows)
+        self.local_rows = min(lo + self.chunk, self.rows) - lo
+        self.mesh = mesh
+        self.stride = _contiguous_stride(self.shape)
+        self.world = world
+        local = full.detach()[lo:lo + self.local_rows].clone().contiguous()
+        self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=full.requires_grad)
+        self.compute_dtype = compute_dtype
+        self.leaf: Optional[nn.Parameter] = None
+        # gradient hooks registered on the original parameter (tensor parallelism's sums over the
+        # TP group) run on the gathered leaf, where backward produces the gradient
+        self.grad_hooks = list((full._backward_hooks or {}).values())
+
+    def as_dtensor(self, local: Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+    @property
+    def local(self) -> Tensor:
+        return self.sharded._local_tensor
+
+    @property
+    def leaf_nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    def alloc_leaf(self) -> nn.Parameter:
+        if self.leaf is None:
+            self.leaf = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype,
+                                                 device=self.local.device),
+                                     requires_grad=self.sharded.requires_grad)
+            for hook in self.grad_hooks:
+                self.leaf.register_hook(hook)
+        elif self.leaf.untyped_storage().nbytes() == 0:
+            self.leaf.untyped_storage().resize_(self.leaf_nbytes)
+        return self.leaf
+
+    def free_leaf(self) -> None:
+        if self.leaf is not None:
+            self.leaf.untyped_storage().resize_(0)
+
+    def rank_rows(self, r: int) -> int:
+        return max(0, min(self.chunk, self.rows - r * self.chunk))
+
+    def scatter_rows(self, dst: Tensor, src: Tensor) -> None:
+        """``dst`` ``[world, chunk, *rest]`` (padded layout) <-> ``src`` ``[rows, *rest]``:
+        dst[r, :n_r] = src[r*chunk : r*chunk + n_r]."""
+        if self.rows == self.chunk * self.world:
+            dst.copy_(src.view(dst.shape))
+            return
+        for r in range(self.world):
+            n = self.rank_rows(r)
+            if n:
+                dst[r, :n].copy_(src[r * self.chunk:r * self.chunk + n])
+
+    def gather_rows(self, dst: Tensor, src: Tensor) -> None:
+        """The inverse: ``dst`` ``[rows, *rest]`` <- ``src`` ``[world, chunk, *rest]``."""
+        if self.rows == self.chunk * self.world:
+            dst.view(src.shape).copy_(src)
+            return
+        for r in range(self.world):
+            n = self.rank_rows(r)
+            if n:
+                dst[r * self.chunk:r * self.chunk + n].copy_(src[r, :n])
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` unit and its gather / reduce-scatter."""
+
+    def __init__(self, params: List[ShardedParam], pg, world: int, compute_dtype, reduce_dtype,
+                 device: torch.device):
+        self.params = params
+        self.pg = pg
+        self.world = world
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.offsets, off = [], 0
+        for p in params:
+            self.offsets.append(off)
+            off += p.padded
+        self.shard_numel = off
+        self.trainable = [i for i, p in enumerate(params) if p.sharded.requires_grad]
+        self.grad_offsets, off = [], 0
+        for i in self.trainable:
+            self.grad_offsets.append(off)
+            off += params[i].padded
+        self.grad_numel = off
+        self.state = SHARDED
+        self._gather: Optional[tuple] = None
+        self.gathers = 0  # all-gathers launched (tests: resharded units are gathered again)
+
+    # ---- gather --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start_gather(self) -> None:
+        """Launch the all-gather of this unit's parameters (asynchronous); no-op unless sharded."""
+        if self.state != SHARDED:
+            return
+        self.state = GATHERING
+        self.gathers += 1
+        if not self.params:
+            self._gather = (None, None)
+            return
+        flat = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        for p, off in zip(self.params, self.offsets):
+            n = p.local_rows * p.row_numel
+            flat[off:off + n].copy_(p.local.reshape(-1))
+            flat[off + n:off + p.padded].zero_()
+        if self.world == 1:
+            self._gather = (None, flat)
+            return
+        out = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        work = all_gather_single(out, flat, group=self.pg, async_op=True)
+        self._gather = (work, out)
+
+    @torch.no_grad()
+    def finish_gather(self) -> None:
+        """Wait for the gather (launching it first if needed) and install the gathered leaves."""
+        if self.state == UNSHARDED:
+            return
+        self.start_gather()
+        work, out = self._gather
+        self._gather = None
+        if work is not None:
+            work.wait()
+        if out is not None:
+            table = out.view(self.world, self.shard_numel)
+            for p, off in zip(self.params, self.offsets):
+                leaf = p.alloc_leaf()
+                src = table[:, off:off + p.padded].view(self.world, p.chunk, *p.rest)
+                p.gather_rows(leaf.data, src)
+        for p in self.params:
+            for module, name in p.owners:
+                set_param(module, name, p.leaf)
+        self.state = UNSHARDED
+
+    def reshard(self) -> None:
+        """Put the shards back on the modules and free the gathered storage."""
+        if self.state == GATHERING:
+            self.finish_gather()
+        if self.state != UNSHARDED:
+            return
+        for p in self.params:
+            for module, name in p.owners:
+                set_param(module, name, p.sharded)
+            p.free_leaf()
+        self.state = SHARDED
+
+    def gathered_bytes(self) -> int:
+        return sum(p.leaf.untyped_storage().nbytes() for p in self.params if p.leaf is not None)
+
+    # ---- reduce --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start_reduce(self):
+        """Launch the reduce-scatter of the leaves' gradients (asynchronous) and release them.
+        Returns a handle for ``finish_reduce``; None when the unit has nothing trainable."""
+        if not self.trainable:
+            return None
+        k = len(self.trainable)
+        seg = self.grad_numel + k
+        buf = torch.empty(self.world, seg, dtype=self.reduce_dtype, device=self.device)
+        buf[:, self.grad_numel:].zero_()
+        scale = 1.0 / self.world
+        # scale in the wider of the two dtypes: before a narrowing cast, else once over the buffer
+        narrowing = buf.element_size() < torch.empty(0, dtype=self.compute_dtype).element_size()
+        for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
+            p = self.params[i]
+            g = p.leaf.grad if p.leaf is not None else None
+            region = buf[:, off:off + p.padded].view(self.world, p.chunk, *p.rest)
+            if g is None:
+                region.zero_()
+                continue
+            if narrowing:
+                g = g * scale
+            if p.rows != p.chunk * self.world:
+                region.zero_()  # the padding rows
+            p.scatter_rows(region, g)
+            buf[:, self.grad_numel + j] = 1.0
+            p.leaf.grad = None
+        if not narrowing:
+            buf.mul_(scale)
+        if self.world == 1:
+            return (None, buf.view(-1))
+        out = torch.empty(seg, dtype=self.reduce_dtype, device=self.device)
+        work = reduce_scatter_single(out, buf.view(-1), group=self.pg, async_op=True)
+        return (work, out)
+
+    @torch.no_grad()
+    def finish_reduce(self, handle) -> None:
+        """Wait for a reduce-scatter and add its result to the sharded parameters' ``.grad``."""
+        if handle is None:
+            return
+        work, out = handle
+        if work is not None:
+            work.wait()
+        used = out[self.grad_numel:].tolist()
+        for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
+            if used[j] == 0:
+                continue
+            p = self.params[i]
+            g = out[off:off + p.local_rows * p.row_numel].view(p.local_rows, *p.rest)
+            g = g.to(p.local.dtype)  # a view of ``out`` (1/world of the unit) when dtypes match
+            if p.sharded.grad is None:
+                p.sharded.grad = p.as_dtensor(g)
+            else:
+                p.sharded.grad._local_tensor.add_(g)
