@@ -18,7 +18,8 @@ Rows carry, per implementation (``method``: torch | pyfused; ``shape``: schedule
     transfer and scheduling overhead;
   * ``bubble_timeline`` (pyfused only): median over the timed steps of 1 - compute / step span
     (from recorded events, averaged over ranks), and ``timeline_png``: the step of median length
-    drawn (compute and transfers per rank; B and W in separate colours).
+    drawn (compute and transfers per rank; B and W in separate colours); without matplotlib (or
+    when drawing fails) the plot is skipped, ``timeline_png`` is empty and ``note`` says why.
 The candidates (torch step, pyfused step, compute only) alternate iteration by iteration, each
 timed by harness.time_fn, so a load change on a shared machine hits all three alike.
 
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pyfused import comm
+from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, metadata, time_fn
 from pyfused import pipeline as pf
 from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
@@ -127,14 +130,32 @@ def _stepper(sched, mods, args, target, recorders=None):
     return one_step
 
 
+def draw_timeline(events, png: Path, title: str) -> str:
+    """Draw one step's timeline; return "" or, when it could not be drawn, a note saying why. The
+    picture is an optional extra: without matplotlib, or if drawing fails, the suite goes on."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        note = "timeline plot skipped: matplotlib is not installed (pip install matplotlib)"
+    else:
+        try:
+            timeline.draw(events, png, title)
+            return ""
+        except Exception as e:  # noqa: BLE001 - a picture never fails the measurements
+            note = f"timeline plot skipped: drawing it raised {type(e).__name__}: {e}"
+    logger.warning("bench pipeline: %s", note)
+    return note
+
+
 def run(ctx: BenchContext) -> List[Dict]:
     p, rank = ctx.world, ctx.rank
     width, blocks, rows = (256, 8, 8) if ctx.quick else (1024, 8, 32)
     iters = 4 if ctx.quick else max(ctx.iters, 10)
     m = 4 * p
     out_dir = Path(ctx.options.get("out") or ctx.options.get("output_dir") or "bench_out")
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    # local work that can fail on rank 0 alone: every rank learns of it at once, not at a timeout
+    comm.agree_on_local_work(ctx.group, "creating the output folder",
+                             lambda: out_dir.mkdir(parents=True, exist_ok=True) if rank == 0 else None)
     model = build_model(width, blocks)
     rows_out: List[Dict] = []
     for kind, v in SCHEDULES:
@@ -173,10 +194,12 @@ def run(ctx: BenchContext) -> List[Dict]:
         bubbles = [timeline.bubble(e) for e in events]
         median_step = sorted(range(len(events)), key=lambda i: timeline.span(events[i]))[len(events) // 2]
         png = out_dir / f"pipeline_timeline_{kind}_p{p}_m{m}.png"
+        note = ""
         if rank == 0:
-            timeline.draw(events[median_step], png,
-                          f"pyfused {kind}: {p} ranks x {v} stages, {m} microbatches, {ctx.backend}"
-                          f" on {metadata(ctx)['device']} (the step of median length)")
+            note = draw_timeline(events[median_step], png,
+                                 f"pyfused {kind}: {p} ranks x {v} stages, {m} microbatches, "
+                                 f"{ctx.backend} on {metadata(ctx)['device']} (the step of median "
+                                 f"length)")
         for impl in ("torch", "pyfused"):
             # time_ms / method / shape / speedup are the CLI table's own columns (pyfused/bench/table.py)
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
@@ -190,7 +213,8 @@ def run(ctx: BenchContext) -> List[Dict]:
                    "blocks": blocks, "rows_per_microbatch": rows, "iters": iters}
             if impl == "pyfused":
                 row.update(vs_torch=med[impl] / med["torch"],
-                           bubble_timeline=statistics.median(bubbles), timeline_png=str(png))
+                           bubble_timeline=statistics.median(bubbles),
+                           timeline_png="" if note else str(png), note=note)
             rows_out.append(row)
     return rows_out
 
@@ -219,7 +243,7 @@ def _main() -> None:
                   f"{r['bubble_theory']:.3f} step {r['bubble_step']:.3f}"
                   + (f" timeline {r['bubble_timeline']:.3f}  vs torch {r['vs_torch']:.3f}"
                      if r["method"] == "pyfused" else ""))
-        print("wrote", *paths, *[r["timeline_png"] for r in rows if "timeline_png" in r])
+        print("wrote", *paths, *[r["timeline_png"] for r in rows if r.get("timeline_png")])
     dist.destroy_process_group()
 
 

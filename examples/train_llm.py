@@ -35,6 +35,7 @@ DCP's write of that step's checkpoint, after its own shards are on disk.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
@@ -76,15 +77,20 @@ def parse_args(argv=None):
                         "'latest': the same, but one must exist; 'none'; or a step_<N> folder")
     p.add_argument("--export", default=None, help="write the full state dict here at the end")
     p.add_argument("--init-from", default=None, help="start from a full state dict (any mesh)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective waits for a peer before every rank fails: a dead or "
+                        "frozen rank stops the run after this long (default 5 minutes; torch's "
+                        "is 30; see docs/FAULTS.md)")
     return p.parse_args(argv)
 
 
-def setup():
+def setup(timeout_s: float = 300.0):
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # NCCL for the tensors, gloo for pyfused's per-call input checks (no GPU sync; see README).
-    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", **attempt_store())
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", **attempt_store(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
@@ -241,7 +247,7 @@ def _writer(args, folder, step, rank):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = setup()
+    device = setup(args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = args.dp or world // (args.tp * args.pp)
     if dp * args.tp * args.pp != world:

@@ -16,6 +16,7 @@ failed row (its traceback on stderr). The exit status is 1 if any suite failed, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
@@ -93,8 +94,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="validation mode off while timing: no cross-rank input exchange at all "
                         "(pyfused.comm.set_validation('off')); the mode is recorded in every row")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective may block inside a suite before it fails "
-                        "(default: %(default)s)")
+                   help="seconds a collective may wait for a peer inside a suite before it fails: "
+                        "a dead or frozen rank fails the suite after this long (default: "
+                        "%(default)s = 5 minutes; torch's own default is 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -213,8 +215,9 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
         except Exception:  # noqa: BLE001 - reported as the suite's failure
             rows, err = [], traceback.format_exc()
     everyone = [None] * base.world
-    dist.all_gather_object(everyone, (len(rows), err, rows if base.rank == 0 else None),
-                           group=control)
+    with _bounded(control, timeout_s if mod.MULTI_RANK else None, result.name):
+        dist.all_gather_object(everyone, (len(rows), err, rows if base.rank == 0 else None),
+                               group=control)
     result.errors = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
     counts = {n for n, e, _ in everyone if not e} if mod.MULTI_RANK else set()
     if not result.errors and len(counts) > 1:
@@ -226,6 +229,25 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
         dist.destroy_process_group(group)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@contextlib.contextmanager
+def _bounded(control, suite_timeout_s: Optional[float], suite: str):
+    """The agreement after a suite. After a multi-rank suite the ranks arrive within about one
+    collective's timeout of each other (every rank took part in the suite's collectives), so the
+    wait is bounded by twice ``--timeout``: a rank that froze in the suite then fails the run
+    instead of holding the others for the control group's whole-suite timeout."""
+    from .. import comm
+
+    if suite_timeout_s is None or not hasattr(dist, "set_timeout"):
+        yield
+        return
+    dist.set_timeout(datetime.timedelta(seconds=2 * suite_timeout_s), control)
+    try:
+        with comm.failures_named(f"bench agreement after suite {suite}", control):
+            yield
+    finally:
+        dist.set_timeout(datetime.timedelta(seconds=CONTROL_TIMEOUT_S), control)
 
 
 def _finish_row(row: Dict[str, Any], name: str, ctx: BenchContext, meta: Dict[str, Any]
@@ -286,9 +308,13 @@ def _run_all(args, modules, backend, rank, world, device) -> int:
     finally:
         progress.close()
     failed = [r for r in results if r.errors]
-    if rank == 0:
-        report(results, base, Path(args.out))
-    dist.barrier(group=control)
+    try:  # rank 0 writes files; the others must not wait at a collective if that fails
+        comm.agree_on_local_work(control, "writing the report",
+                                 lambda: report(results, base, Path(args.out)) if rank == 0 else None)
+    except comm.LocalWorkError as e:
+        if rank == 0:
+            print(f"python -m pyfused.bench: {e}", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

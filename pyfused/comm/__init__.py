@@ -1,5 +1,9 @@
 """Process groups, comm streams and cross-rank validation (see docs/ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
+from .faults import (
+    LocalWorkError, PeerFailure, agree_on_local_work, failures_named, group_timeout,
+    inherit_default_timeout, names_failures,
+)
 from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
@@ -14,6 +18,8 @@ from .validate import (
 
 __all__ = [
     "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
+    "LocalWorkError", "PeerFailure", "agree_on_local_work", "failures_named", "group_timeout",
+    "inherit_default_timeout", "names_failures",
     "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .._logging import logger
 from .collectives import all_gather_single
+from .faults import failures_named
 from .group import comm_device, world_size
 
 MAX_DIMS = 8
@@ -227,8 +228,9 @@ def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]
         _note_gpu_sync(pg)
     mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
     every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
-    all_gather_single(every, mine, group=pg)
-    rows = every.view(world_size(pg), SIG_LEN).tolist()
+    with failures_named(sig.name, pg, "cross-rank input check"):
+        all_gather_single(every, mine, group=pg)
+        rows = every.view(world_size(pg), SIG_LEN).tolist()
     return [Signature.decode(r) for r in rows]
 
 

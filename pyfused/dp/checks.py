@@ -169,7 +169,9 @@ def broadcast_coalesced(pg, tensors: Sequence[torch.Tensor], cap_bytes: int, src
                 size += t.numel() * t.element_size()
             if chunk and (t is None or size >= cap_bytes):
                 flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                dist.broadcast(flat, src=src_global, group=pg)
+                with comm.failures_named("DistributedDataParallel broadcast of parameters and "
+                                         "buffers", pg):
+                    dist.broadcast(flat, src=src_global, group=pg)
                 off = 0
                 for c in chunk:
                     c.copy_(flat[off:off + c.numel()].view_as(c))

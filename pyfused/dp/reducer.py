@@ -57,6 +57,8 @@ from . import buckets as _buckets
 from .buckets import Bucket
 from .status import StatusExchange
 
+# What a failed collective of the backward's reduction is reported as (pyfused.comm.faults).
+FINALIZE = "DistributedDataParallel backward (gradient bucket reduction)"
 
 
 class Reducer:
@@ -317,10 +319,11 @@ class Reducer:
                 b.work = None
                 if self.sharded:
                     b.extra["shard_out"].copy_(buf)
-            elif self.sharded:
-                b.work = comm.reduce_scatter_single(b.extra["shard_out"], buf, group=self.pg, async_op=True)
             else:
-                b.work = dist.all_reduce(buf, group=self.pg, async_op=True)
+                with comm.failures_named(FINALIZE, self.pg, ("bucket", b.index)):
+                    b.work = (comm.reduce_scatter_single(b.extra["shard_out"], buf, group=self.pg,
+                                                         async_op=True) if self.sharded
+                              else dist.all_reduce(buf, group=self.pg, async_op=True))
         b.launched = True
         if self.sharded:
             self._reap()
@@ -341,18 +344,19 @@ class Reducer:
     def _finalize(self) -> None:
         self.expect_hooks = False
         try:
-            # complete every bucket (missing gradients as zeros) so that all ranks' collectives
-            # match; the last launch also launches the status exchange
-            self.missing = [i for i in range(len(self.params)) if not self.ready[i]]
-            for i in self.missing:
-                self._mark_ready(i)
-            global_used, problem = self.status.read(self.dups)
-            for b in self.buckets:
-                self._complete(b, global_used)
-            if self.on_all_reduced is not None and not problem:
-                self.on_all_reduced()
-            if self.rebuild_caps is not None and not problem:
-                self._rebuild()
+            with comm.failures_named(FINALIZE, self.pg):
+                # complete every bucket (missing gradients as zeros) so that all ranks'
+                # collectives match; the last launch also launches the status exchange
+                self.missing = [i for i in range(len(self.params)) if not self.ready[i]]
+                for i in self.missing:
+                    self._mark_ready(i)
+                global_used, problem = self.status.read(self.dups)
+                for b in self.buckets:
+                    self._complete(b, global_used)
+                if self.on_all_reduced is not None and not problem:
+                    self.on_all_reduced()
+                if self.rebuild_caps is not None and not problem:
+                    self._rebuild()
         finally:
             self.in_backward = False
             self.used = bytearray(len(self.params))

@@ -42,6 +42,9 @@ from ..comm import Signature
 from .buckets import Bucket
 
 
+# What a failed gather (or the step's check) of the sharded optimizer is reported as.
+GATHER = "DistributedDataParallel sharded optimizer (parameter gather)"
+
 # torch.optim classes whose update of an element depends only on that element's own history (and on
 # step counts and hyper-parameters): sharding their parameters elementwise changes nothing.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
@@ -157,7 +160,8 @@ class ShardedState:
             local = torch.zeros((), dtype=torch.bool, device=self.device)
         flag = local.to(torch.int32).reshape(1)
         if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
+            with comm.failures_named(GATHER, self.pg, "non-finite gradient check"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
         if bool(flag.item()) and not bool(local.item()) and pieces:
             logger.debug("pyfused DDP: a gradient shard of another rank is non-finite; marking ours "
                          "so every rank's loss scaler skips this step")
@@ -227,7 +231,9 @@ class ShardedState:
                 buf[lo:hi].copy_(b.extra["master"])
             if self.pg is None or self.world == 1:
                 continue
-            self.pending[k] = comm.all_gather_single(buf, buf[lo:hi], group=self.pg, async_op=True)
+            with comm.failures_named(GATHER, self.pg, ("bucket", k)):
+                self.pending[k] = comm.all_gather_single(buf, buf[lo:hi], group=self.pg,
+                                                         async_op=True)
 
     # ------------------------------------------------------------------ gathers
     def _pre_forward_hook(self, needs: List[int]):
@@ -236,12 +242,14 @@ class ShardedState:
                 for k in needs:
                     work = self.pending.pop(k, None)
                     if work is not None:
-                        work.wait()
+                        with comm.failures_named(GATHER, self.pg, ("bucket", k)):
+                            work.wait()
         return hook
 
     def wait_all(self) -> None:
         for k in list(self.pending):
-            self.pending.pop(k).wait()
+            with comm.failures_named(GATHER, self.pg, ("bucket", k)):
+                self.pending.pop(k).wait()
 
     @torch.no_grad()
     def refresh_masters(self) -> None:

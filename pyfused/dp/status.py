@@ -95,5 +95,6 @@ class StatusExchange:
 
 def _all_reduce_small(pg, vec: Tensor) -> Tensor:
     vec = vec.to(comm.comm_device(pg))
-    dist.all_reduce(vec, group=pg)
+    with comm.failures_named("DistributedDataParallel status exchange", pg):
+        dist.all_reduce(vec, group=pg)
     return vec.cpu()

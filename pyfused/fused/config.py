@@ -92,9 +92,18 @@ def all_reduce_algo(nbytes: int, world: int) -> int:
 def timeout_ms() -> int:
     """How long a device-side wait on a peer may take, in wall-clock time, before the kernel gives
     up: the CUDA kernels trap, the Triton kernels record the flag they waited on (reported as
-    ``WaitTimeout``), the CPU models raise. ``PYFUSED_FUSED_TIMEOUT_MS``, default 60 s; 0 waits
-    forever. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
-    return min(int(os.environ.get("PYFUSED_FUSED_TIMEOUT_MS", "60000")), 10**9)
+    ``WaitTimeout``), the CPU models raise. ``PYFUSED_FUSED_TIMEOUT_MS`` if set (0 waits forever),
+    else the default process group's timeout (``init_process_group(timeout=...)``, as for every
+    other wait on a peer), else 60 s. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
+    env = os.environ.get("PYFUSED_FUSED_TIMEOUT_MS")
+    if env is not None:
+        return min(int(env), 10**9)
+    import torch.distributed as dist
+
+    from ..comm.faults import group_timeout
+
+    timeout = group_timeout(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
+    return min(int(timeout.total_seconds() * 1000), 10**9) if timeout else 60000
 
 
 def capturing(device: torch.device) -> bool:

@@ -15,6 +15,8 @@ from torch import Tensor
 
 from .. import comm
 
+_COLUMN_BACKWARD = "ColumnParallelLinear backward (input-gradient all-reduce)"
+
 
 class ColumnLinearReplicatedInput(torch.autograd.Function):
     """``y = x @ w^T + bias`` where ``x`` is replicated and ``w`` is this rank's row shard.
@@ -44,6 +46,7 @@ class ColumnLinearReplicatedInput(torch.autograd.Function):
 
 
 @torch.library.custom_op("pyfused::column_linear_backward", mutates_args=())
+@comm.names_failures(_COLUMN_BACKWARD)
 def _column_linear_backward(g: Tensor, x: Tensor, weight: Tensor, group_name: str, overlap: str,
                             need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
     """(all_reduce(g @ weight), g^T @ x) of a column-parallel layer with a replicated input; an
@@ -79,7 +82,8 @@ class GatherLastDim(torch.autograd.Function):
         if w == 1:
             return x.clone()
         parts = x.new_empty((w * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 stacked, not a new dim
-        comm.all_gather_single(parts, x.contiguous(), group=pg)
+        with comm.failures_named("tensor-parallel gather of the last dim", pg):
+            comm.all_gather_single(parts, x.contiguous(), group=pg)
         return torch.cat(parts.view(w, *x.shape).unbind(0), dim=-1)
 
     @staticmethod
@@ -122,5 +126,6 @@ class AddSequenceParallelBias(torch.autograd.Function):
             return g, None, None
         grad_b = g.reshape(-1, g.shape[-1]).sum(0)
         if comm.world_size(ctx.pg) > 1:
-            dist.all_reduce(grad_b, group=ctx.pg)
+            with comm.failures_named("tensor-parallel bias gradient all-reduce", ctx.pg):
+                dist.all_reduce(grad_b, group=ctx.pg)
         return g, grad_b, None

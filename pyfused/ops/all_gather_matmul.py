@@ -81,6 +81,7 @@ def chunked_ring_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool
     return out, gathered
 
 
+@comm.names_failures(OP)
 def _run(a: Tensor, b: Tensor, pg, method: str, keep_gathered: bool
          ) -> Tuple[Tensor, Optional[Tensor]]:
     """2-D: (all_gather(a) @ b, all_gather(a) or None) by ``method``."""

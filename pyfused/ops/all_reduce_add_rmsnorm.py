@@ -105,6 +105,7 @@ def chunked_all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, 
     return normed, new_residual
 
 
+@comm.names_failures(OP)
 def _run(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg, method: str,
          chunks: int) -> Tuple[Tensor, Tensor]:
     """2-D: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual) by ``method``."""

@@ -58,6 +58,7 @@ def chunked_matmul_all_reduce(a: Tensor, b: Tensor, pg, chunks: int) -> Tensor:
     return out
 
 
+@comm.names_failures(OP)
 def _run(a: Tensor, b: Tensor, pg, method: str, chunks: int) -> Tensor:
     """2-D: sum over ranks of a @ b, on every rank, by ``method``."""
     if method == "fused":

@@ -72,6 +72,7 @@ def chunked_ring_matmul_reduce_scatter(a: Tensor, b: Tensor, pg) -> Tensor:
     return partial
 
 
+@comm.names_failures(OP)
 def _run(a: Tensor, b: Tensor, pg, method: str) -> Tensor:
     """2-D: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b, by ``method``."""
     if method == "fused":

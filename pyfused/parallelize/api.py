@@ -59,6 +59,8 @@ class MeshInfo:
                 self.size[name] = mesh.size(i)
                 self.group[name] = mesh.get_group(name)
                 self.coord[name] = mesh.get_local_rank(name)
+        # the mesh's own groups would otherwise keep torch's default timeout (docs/FAULTS.md)
+        comm.faults.inherit_default_timeout(self.group.values())
 
     def describe(self) -> str:
         return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
@@ -207,6 +209,11 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     return parallel
 
 
+def _world_group():
+    """The group a failure of a parallel model is reported in (ranks are global ones)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 class ParallelModel(nn.Module):
     """The parallelized model: called like the original, returns what it returns.
 
@@ -259,9 +266,10 @@ class ParallelModel(nn.Module):
         return out
 
     def _call(self, args, kwargs):
-        if self._stage is not None:
-            return self._stage.run(args, kwargs)
-        return self._runner(*args, **kwargs)
+        with comm.failures_named("parallelize forward", _world_group()):
+            if self._stage is not None:
+                return self._stage.run(args, kwargs)
+            return self._runner(*args, **kwargs)
 
     def report(self) -> "report_mod.ParallelizeReport":
         """Per module of the plan (on this rank's stage): the style applied, what it became, its
@@ -350,13 +358,14 @@ class ParallelModel(nn.Module):
             i = 0 if spec.dim is not None and self._tp.world > 1 else 1
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self._dp_sharded:  # each dp rank holds other rows of every gradient
-            dist.all_reduce(parts, op=op, group=self.mesh_info.group["dp"])
-        if self._tp.world > 1:
-            dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
-        total = parts.max() if inf else parts.sum()
-        if self._stage is not None:
-            dist.all_reduce(total, op=op, group=self._stage.pg)
+        with comm.failures_named("parallelize clip_grad_norm_", _world_group()):
+            if self._dp_sharded:  # each dp rank holds other rows of every gradient
+                dist.all_reduce(parts, op=op, group=self.mesh_info.group["dp"])
+            if self._tp.world > 1:
+                dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
+            total = parts.max() if inf else parts.sum()
+            if self._stage is not None:
+                dist.all_reduce(total, op=op, group=self._stage.pg)
         norm = total if inf else total.sqrt()
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {norm.item()}")
@@ -369,7 +378,8 @@ class ParallelModel(nn.Module):
         """``loss.backward()`` -- except with pipeline parallelism, where the call that returned the
         loss already ran the backward of every microbatch (the schedule interleaves them)."""
         if self._stage is None:
-            loss.backward()
+            with comm.failures_named("parallelize backward", _world_group()):
+                loss.backward()
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:

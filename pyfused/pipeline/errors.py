@@ -30,7 +30,8 @@ class PipelineError(RuntimeError):
 
 def _gather_messages(pg, message: Optional[str]) -> List[Optional[str]]:
     out: List[Optional[str]] = [None] * comm.world_size(pg)
-    dist.all_gather_object(out, message, group=pg)
+    with comm.failures_named("pipeline error exchange", pg):
+        dist.all_gather_object(out, message, group=pg)
     return out
 
 
@@ -65,7 +66,8 @@ def raise_if_any(pg, local_error: Optional[str], device: torch.device) -> None:
             raise PipelineError(local_error)
         return
     flag = torch.tensor([int(local_error is not None)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+    with comm.failures_named("pipeline end-of-step agreement", pg):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
     if not flag.item():
         return
     messages = _gather_messages(pg, local_error)

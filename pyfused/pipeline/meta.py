@@ -30,6 +30,7 @@ from .stage import Metas, PipelineStage, as_tuple, describe, metas_of, zeros
 
 _HEADER = comm.op_code("pipeline.activation_header")
 _MAX_TENSORS = (SIG_LEN - 5) // 12  # what fits in one fixed-size header
+SHAPES = "pipeline shape exchange"  # what a failed header transfer is reported as
 _OK, _FAILED = 0, 1
 
 
@@ -83,7 +84,9 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
                 status, n_large, in_metas = local.pop(s - 1)
             else:
                 header = torch.empty(SIG_LEN, dtype=torch.int64, device=comm_dev)
-                dist.recv(header, group=pg, group_src=stage_rank(s - 1, p, v_shaped))
+                peer = stage_rank(s - 1, p, v_shaped)
+                with comm.failures_named(SHAPES, pg, ("stage", s, "receiving"), peer):
+                    dist.recv(header, group=pg, group_src=peer)
                 status, n_large, in_metas = _decode(header)
             upstream_failed = status != _OK
         out_metas: Metas = ()
@@ -102,8 +105,10 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
             if stage_rank(s + 1, p, v_shaped) == stage_rank(s, p, v_shaped):
                 local[s] = (status, n_large, out_metas)
             else:
-                dist.send(_encode(status, n_large, out_metas, comm_dev), group=pg,
-                          group_dst=stage_rank(s + 1, p, v_shaped))
+                peer = stage_rank(s + 1, p, v_shaped)
+                with comm.failures_named(SHAPES, pg, ("stage", s, "sending"), peer):
+                    dist.send(_encode(status, n_large, out_metas, comm_dev), group=pg,
+                              group_dst=peer)
     return error, n_large
 
 

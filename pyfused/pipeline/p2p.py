@@ -28,6 +28,8 @@ from .. import comm
 from .plan import Message
 
 MAX_OPEN_SENDS = 64
+# What a failed transfer is reported as (pyfused.comm.faults), with the message and its peer.
+TRANSFER = "pipeline schedule step"
 
 
 def completes_as_group(pg: Optional[dist.ProcessGroup], device: torch.device) -> bool:
@@ -68,8 +70,9 @@ class Transport:
         self.pg = pg
         self.device = device
         self.pool = BufferPool(device)
-        self._recvs: Dict[Message, Tuple[List, Tuple[torch.Tensor, ...]]] = {}
-        self._sends: Deque[Tuple[List, Tuple[torch.Tensor, ...]]] = deque()
+        # (works, tensors, peer) per message; sends also keep their message, for errors
+        self._recvs: Dict[Message, Tuple[List, Tuple[torch.Tensor, ...], int]] = {}
+        self._sends: Deque[Tuple[List, Tuple[torch.Tensor, ...], Message, int]] = deque()
         self.recorder = None  # a timeline.Recorder while one step is being recorded
 
     def post(self, sends: Sequence[Tuple[Message, int, Tuple[torch.Tensor, ...]]],
@@ -87,7 +90,8 @@ class Transport:
         if not ops:
             return
         t0 = time.perf_counter()
-        with comm.on_comm_stream(self.device) as stream:
+        with comm.on_comm_stream(self.device) as stream, comm.failures_named(
+                TRANSFER, self.pg, ("posting", len(ops), "transfers")):
             works = dist.batch_isend_irecv(ops)
         for op in ops:
             comm.keep_alive(op.tensor, stream)
@@ -100,9 +104,9 @@ class Transport:
         for (kind, msg), w in zip(owners, per_op):
             (send_works if kind == "send" else recv_works)[msg].extend(w)
         for msg, peer, tensors in sends:
-            self._sends.append((send_works[msg], tensors))
+            self._sends.append((send_works[msg], tensors, msg, peer))
         for msg, peer, tensors in recvs:
-            self._recvs[msg] = (recv_works[msg], tensors)
+            self._recvs[msg] = (recv_works[msg], tensors, peer)
         if self.recorder is not None:
             self.recorder.post(t0, time.perf_counter(), [m for m, _, _ in sends],
                                [m for m, _, _ in recvs])
@@ -114,10 +118,11 @@ class Transport:
         self._sends.clear()
 
     def wait_recv(self, msg: Message) -> Tuple[torch.Tensor, ...]:
-        works, tensors = self._recvs.pop(msg)
+        works, tensors, peer = self._recvs.pop(msg)
         t0 = time.perf_counter()
-        for w in works:
-            w.wait()
+        with comm.failures_named(TRANSFER, self.pg, ("receiving", msg), peer):
+            for w in works:
+                w.wait()
         if self.recorder is not None:
             self.recorder.wait(msg, t0, time.perf_counter())
         return tensors
@@ -127,14 +132,18 @@ class Transport:
         while self._sends and all(w.is_completed() for w in self._sends[0][0]):
             self._sends.popleft()
         while len(self._sends) > MAX_OPEN_SENDS:
-            for w in self._sends.popleft()[0]:
+            self._wait_send(self._sends.popleft())
+
+    def _wait_send(self, entry) -> None:
+        works, _, msg, peer = entry
+        with comm.failures_named(TRANSFER, self.pg, ("sending", msg), peer):
+            for w in works:
                 w.wait()
 
     def finish(self) -> None:
         """Complete every open send (end of a step); receives must all have been consumed."""
         while self._sends:
-            for w in self._sends.popleft()[0]:
-                w.wait()
+            self._wait_send(self._sends.popleft())
         if self._recvs:
             left = ", ".join(map(str, self._recvs))
             self._recvs.clear()

@@ -44,7 +44,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--world", type=int)
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--cache", help="cache file to write (sets PYFUSED_TUNE_CACHE for the ranks)")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait for a peer before it fails: a dead or frozen "
+                        "rank stops the run after this long (default: %(default)s = 5 minutes; "
+                        "torch's own default is 30)")
     return p.parse_args(argv)
 
 

@@ -196,6 +196,9 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
     if "error" in value:
         raise RuntimeError(f"tune({op}, a={a_shape}, b={b_shape}): rank 0 could not decide: "
                            f"{value['error']}")
-    path = store({entry_key: value}) if write else None
+    path = None
+    if write:  # a write that fails on one rank (disk, permissions) fails every rank at once
+        path = comm.agree_on_local_work(pg, "writing the tune cache",
+                                        lambda: store({entry_key: value}))
     return TuneResult(Entry(value["method"], int(value["chunks"])), entry_key,
                       dict(value["times_ms"]), dict(value["skipped"]), path)

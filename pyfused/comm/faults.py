@@ -1,0 +1,211 @@
+"""Naming the pyfused operation a communication failure happened in (see docs/FAULTS.md).
+
+pyfused never waits on a peer by itself: every wait is a ``torch.distributed`` collective, a p2p
+transfer or ``Work.wait()``, and those are bounded by the process group's timeout
+(``init_process_group(timeout=...)``, ``new_group(timeout=...)``). gloo raises in the waiting call
+when a peer's socket closes (a killed rank: at once) or when the timeout passes (a frozen rank);
+NCCL's watchdog aborts the communicator, and with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (default 3)
+ends the process. pyfused starts no thread, queue or event of its own that could outlive a peer.
+
+What pyfused adds is the *where*: ``failures_named(op, pg, ...)`` wraps the communicating part of
+an operation and turns a failure of torch.distributed into ``PeerFailure``, whose message names the
+pyfused operation, this rank, the group, the peer when one is known, and the group's timeout; the
+original error is its ``__cause__``. On the success path it costs one small object and a
+``with`` (about 1 us on a loaded 2-core box, against tens of microseconds for the smallest gloo
+collective; docs/FAULTS.md); the message is built only when something failed.
+
+``agree_on_local_work`` is the other half: work that may fail on one rank alone (a file, a plot)
+followed by an agreement, so that the others raise at once instead of at their next collective's
+timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+from typing import Callable, Optional, Tuple, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+
+from .._logging import logger
+from .group import group_from_name
+
+T = TypeVar("T")
+Detail = Union[str, Tuple[object, ...]]  # what the operation was doing: a string, or its parts
+
+# Substrings of the errors torch.distributed raises when a peer is gone or silent, for the plain
+# RuntimeErrors that gloo and NCCL raise (torch's own DistError subclasses are recognised by type).
+_COMM_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "pair closure", "socket",
+                 "peer", "aborted", "broken pipe", "watchdog")
+
+
+class PeerFailure(dist.DistError):
+    """A pyfused operation's communication failed: a peer died, stopped responding for longer
+    than the group's timeout, or the group was aborted. The cause is the backend's own error."""
+
+    def __init__(self, message: str, *, op: str, rank: int, peer: Optional[int] = None):
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+        self.peer = peer
+
+
+def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:
+    """The timeout of ``pg``'s backend (what bounds its collectives), or None if unknown."""
+    if pg is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` looks like a failed collective or transfer (not a bug in the local compute)."""
+    if isinstance(e, PeerFailure):
+        return False  # already named, by an inner operation
+    if isinstance(e, dist.DistError):
+        return True
+    if type(e) is not RuntimeError:
+        return False
+    text = str(e).lower()
+    return any(m in text for m in _COMM_MARKERS)
+
+
+def describe(op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
+             peer: Optional[int] = None) -> str:
+    """``pyfused.<op> [detail] on rank r of group g (size w), peer p: ...`` -- the context a failure
+    message starts with. A tuple ``detail`` is joined with spaces (callers on hot paths pass its
+    parts, so that nothing is formatted unless something failed)."""
+    if isinstance(detail, tuple):
+        detail = " ".join(map(str, detail))
+    where = f"pyfused.{op}" + (f" ({detail})" if detail else "")
+    if pg is None or not dist.is_initialized():
+        return where
+    try:
+        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        grank = dist.get_rank()
+    except (RuntimeError, ValueError):
+        return where
+    where += f" on rank {rank} of group {pg.group_name!r} (size {world}, global rank {grank})"
+    if peer is not None:
+        where += f", waiting on peer rank {peer}"
+    return where
+
+
+class failures_named:  # noqa: N801 - used as a context manager, reads like one
+    """``with failures_named("all_gather_matmul", pg, detail="decomposed"):`` -- re-raise a
+    communication failure inside the block as ``PeerFailure`` naming the operation.
+
+    ``peer``: the group rank waited on, when the block waits on one (p2p). Errors that are not
+    communication failures (``InputError``, a module's own exception) pass through untouched."""
+
+    __slots__ = ("op", "pg", "detail", "peer")
+
+    def __init__(self, op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
+                 peer: Optional[int] = None):
+        self.op = op
+        self.pg = pg
+        self.detail = detail
+        self.peer = peer
+
+    def __enter__(self) -> "failures_named":
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if e is None or not is_comm_failure(e):
+            return False
+        raise peer_failure(e, self.op, self.pg, self.detail, self.peer) from e
+
+
+def peer_failure(e: BaseException, op: str, pg: Optional[dist.ProcessGroup], detail: Detail = "",
+                 peer: Optional[int] = None) -> PeerFailure:
+    """The ``PeerFailure`` for backend error ``e`` met in ``op``."""
+    timeout = group_timeout(pg)
+    bound = f"the group's timeout is {timeout.total_seconds():g} s" if timeout else "timeout unknown"
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    message = (f"{describe(op, pg, detail, peer)}: a peer rank died or stopped responding "
+               f"({bound}; see docs/FAULTS.md): {type(e).__name__}: {first_line}")
+    rank = dist.get_rank(pg) if pg is not None and dist.is_initialized() else 0
+    return PeerFailure(message, op=op, rank=rank, peer=peer)
+
+
+def names_failures(op: str):
+    """Decorator form of ``failures_named`` for an op's implementation, whose arguments include its
+    group as ``group_name`` (a registered op) or ``pg``, and optionally ``method`` (named in the
+    message): one extra call on success."""
+    def wrap(fn):
+        params = list(inspect.signature(fn).parameters)
+        at_group = params.index("group_name" if "group_name" in params else "pg")
+        at_method = params.index("method") if "method" in params else None
+
+        @functools.wraps(fn)
+        def named(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                if not is_comm_failure(e):
+                    raise
+                bound = dict(zip(params, args), **kwargs)
+                pg = bound.get(params[at_group])
+                pg = group_from_name(pg or "") if isinstance(pg, str) or pg is None else pg
+                detail = str(bound.get(params[at_method], "")) if at_method is not None else ""
+                raise peer_failure(e, op, pg, detail) from e
+        # torch.library reads the schema from the signature: give it the types, evaluated in the
+        # op's module (its annotations may be strings)
+        named.__signature__ = inspect.signature(fn, eval_str=True)
+        return named
+    return wrap
+
+
+class LocalWorkError(RuntimeError):
+    """Local work (a file, a plot, an import) failed on some rank; raised on every rank at once."""
+
+
+def agree_on_local_work(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` -- work of this rank alone that may fail here and not elsewhere -- then tell
+    every rank of ``pg`` at once (one ``all_gather_object``): if any rank's ``fn`` raised, every
+    rank raises the same ``LocalWorkError`` naming the first such rank. Without this agreement the
+    ranks that succeeded would go on to their next collective and wait there for the group's
+    timeout. Returns ``fn()``'s value."""
+    value, error = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = f"{type(e).__name__}: {e}"
+    errors = [error]
+    if pg is not None and dist.get_world_size(pg) > 1:
+        errors = [None] * dist.get_world_size(pg)
+        with failures_named(f"agreement after {what}", pg):
+            dist.all_gather_object(errors, error, group=pg)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        where = f" on rank {failed[0][0]}" if len(errors) > 1 else ""
+        others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise LocalWorkError(f"{what} failed{where}{others}: {failed[0][1]}")
+    return value
+
+
+def inherit_default_timeout(groups) -> None:
+    """Give each of ``groups`` the default group's timeout where its own is longer.
+
+    A ``DeviceMesh`` creates the groups of its dimensions (those smaller than the world) with
+    torch's default timeout -- 30 minutes on gloo, 10 on NCCL -- whatever
+    ``init_process_group(timeout=...)`` said, so a frozen rank would hang its tp or dp peers that
+    long. ``parallelize`` calls this on its mesh's groups so that the one timeout the user set bounds
+    every wait (``torch.distributed.set_timeout``; logged at INFO)."""
+    if not (dist.is_available() and dist.is_initialized()) or not hasattr(dist, "set_timeout"):
+        return
+    wanted = group_timeout(dist.group.WORLD)
+    if wanted is None:
+        return
+    for pg in groups:
+        current = group_timeout(pg)
+        if pg is None or pg is dist.group.WORLD or current is None or current <= wanted:
+            continue
+        dist.set_timeout(wanted, pg)
+        logger.info("pyfused: group %r had torch's default timeout %s; set to the default group's %s",
+                    pg.group_name, current, wanted)
