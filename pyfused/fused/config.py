@@ -89,12 +89,18 @@ def all_reduce_algo(nbytes: int, world: int) -> int:
     return ONE_SHOT if nbytes <= cfg.one_shot_max_bytes else TWO_SHOT
 
 
+# The fused kernels' default wait bound, as a share of the process group's timeout (timeout_ms).
+GROUP_TIMEOUT_SHARE = 0.8
+
+
 def timeout_ms() -> int:
     """How long a device-side wait on a peer may take, in wall-clock time, before the kernel gives
     up: the CUDA kernels trap, the Triton kernels record the flag they waited on (reported as
     ``WaitTimeout``), the CPU models raise. ``PYFUSED_FUSED_TIMEOUT_MS`` if set (0 waits forever),
-    else the default process group's timeout (``init_process_group(timeout=...)``, as for every
-    other wait on a peer), else 60 s. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
+    else ``GROUP_TIMEOUT_SHARE`` of the default process group's timeout
+    (``init_process_group(timeout=...)``): below the group's own, so that a frozen peer is reported
+    by the kernel, naming rank, peer and flag, before the group's watchdog ends the job with less to
+    say; else 60 s. Capped at 10^9 ms (the kernels count nanoseconds in 64 bits)."""
     env = os.environ.get("PYFUSED_FUSED_TIMEOUT_MS")
     if env is not None:
         return min(int(env), 10**9)
@@ -103,7 +109,9 @@ def timeout_ms() -> int:
     from ..comm.faults import group_timeout
 
     timeout = group_timeout(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
-    return min(int(timeout.total_seconds() * 1000), 10**9) if timeout else 60000
+    if not timeout:
+        return 60000
+    return min(int(timeout.total_seconds() * 1000 * GROUP_TIMEOUT_SHARE), 10**9)
 
 
 def capturing(device: torch.device) -> bool:
