@@ -105,6 +105,23 @@ def _ddp(rank, fault, shard_optimizer):
         opt.zero_grad()
 
 
+def _fsdp(rank, fault):
+    from pyfused import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        loss = model(torch.randn(6, 12)).pow(2).mean()
+        fault.point(step)  # between forward and backward: the peers wait in the reduce-scatters
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 class _Strike(nn.Module):
     """A stage's layer that lets the fault strike in the middle of a pipeline step."""
 
@@ -186,6 +203,7 @@ PATHS = {
     "tp-layers": _tp_layers,
     "ddp": lambda r, f: _ddp(r, f, shard_optimizer=False),
     "ddp-sharded-optimizer": lambda r, f: _ddp(r, f, shard_optimizer=True),
+    "fsdp": _fsdp,
     "pipeline-p2p": lambda r, f: _pipeline(r, f, "p2p"),
     "pipeline-agreement": lambda r, f: _pipeline(r, f, "agreement"),
     "parallelize": _parallelize,
@@ -199,6 +217,7 @@ NAMES = {
                   "matmul_reduce_scatter", "matmul_all_reduce", "tensor-parallel"),
     "ddp": ("DistributedDataParallel backward",),
     "ddp-sharded-optimizer": ("DistributedDataParallel sharded optimizer (parameter gather)",),
+    "fsdp": ("fully_shard",),
     "pipeline-p2p": ("pipeline schedule step",),
     "pipeline-agreement": ("pipeline.1f1b (cross-rank input check)",),
     "parallelize": ("parallelize", "all_gather_matmul", "matmul_reduce_scatter",

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from ..comm import all_gather_single, reduce_scatter_single
+from ..comm import all_gather_single, failures_named, reduce_scatter_single
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
@@ -176,7 +176,8 @@ class ParamGroup:
             self._gather = (None, flat)
             return
         out = torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        work = all_gather_single(out, flat, group=self.pg, async_op=True)
+        with failures_named("fully_shard", self.pg, "parameter all-gather"):
+            work = all_gather_single(out, flat, group=self.pg, async_op=True)
         self._gather = (work, out)
 
     @torch.no_grad()
@@ -188,7 +189,8 @@ class ParamGroup:
         work, out = self._gather
         self._gather = None
         if work is not None:
-            work.wait()
+            with failures_named("fully_shard", self.pg, "parameter all-gather"):
+                work.wait()
         if out is not None:
             table = out.view(self.world, self.shard_numel)
             for p, off in zip(self.params, self.offsets):
@@ -248,7 +250,8 @@ class ParamGroup:
         if self.world == 1:
             return (None, buf.view(-1))
         out = torch.empty(seg, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_single(out, buf.view(-1), group=self.pg, async_op=True)
+        with failures_named("fully_shard", self.pg, "gradient reduce-scatter"):
+            work = reduce_scatter_single(out, buf.view(-1), group=self.pg, async_op=True)
         return (work, out)
 
     @torch.no_grad()
@@ -258,7 +261,8 @@ class ParamGroup:
             return
         work, out = handle
         if work is not None:
-            work.wait()
+            with failures_named("fully_shard", self.pg, "gradient reduce-scatter"):
+                work.wait()
         used = out[self.grad_numel:].tolist()
         for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
             if used[j] == 0:
