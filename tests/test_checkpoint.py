@@ -103,7 +103,9 @@ def saved(ranks, tmp_path_factory):
     ((4,), ("tp",), {}),
     ((2, 2), ("pp", "tp"), {"n_microbatches": 2, "split_points": [2]}),
     ((4,), ("dp",), {}),
-], ids=["tp4", "pp2xtp2", "dp4"])
+    ((4,), ("dp",), {"dp": "fsdp"}),
+    ((2, 2), ("dp", "tp"), {"dp": "fsdp"}),
+], ids=["tp4", "pp2xtp2", "dp4", "fsdp-dp4", "fsdp-dp2xtp2"])
 def test_load_on_another_mesh(ranks, saved, shape, names, options):
     path, full, losses = saved
     assert all(ranks.run(4, _load, path, shape, names, options, full, losses, timeout=240))

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .shard import ShardSpec
 
@@ -130,11 +131,34 @@ class _Layout:
         should see it; None if this rank holds none of the original tensor."""
         spec = self.pm._spec_of(key, like if like is not None else t)
         if spec.dim is None or spec.world == 1:
-            return t.detach()
+            return t.detach()  # a fully_shard DTensor is described by its own placements
         boxes = spec_boxes(spec, tuple(t.shape))
+        if isinstance(t, DTensor):  # fully_shard rows of a TP shard: the boxes of those rows
+            t, boxes = _rows_of_dtensor(t, boxes)
         if not boxes:
             return None
         return _checkpointable(t, boxes, spec.full_shape, spec.transpose)
+
+
+def _rows_of_dtensor(t: "DTensor", boxes: List[Box]) -> Tuple[Tensor, List[Box]]:
+    """This rank's local rows of a dim-0 sharded DTensor (``fully_shard`` on the dp dim, over a
+    tensor-parallel shard) and the parts of ``boxes`` (in the DTensor's global coordinates) that
+    fall in them, re-based on the local tensor."""
+    from torch.distributed.tensor import Shard
+
+    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+        raise CheckpointError(f"pyfused checkpoint: a DTensor placed as {t.placements} on a "
+                              f"tensor-parallel shard is not supported (only fully_shard's Shard(0))")
+    local = t.to_local()
+    rows, n = t.shape[0], t.device_mesh.size()
+    first = t.device_mesh.get_local_rank() * -(-rows // n)  # torch.chunk's cut, as Shard(0)'s
+    last = first + local.shape[0]
+    kept = []
+    for lo, go, size in boxes:
+        a, b = max(lo[0], first), min(lo[0] + size[0], last)
+        if a < b:
+            kept.append(((a - first, *lo[1:]), (go[0] + a - lo[0], *go[1:]), (b - a, *size[1:])))
+    return local, kept
 
 
 def model_state_dict(pm) -> Dict[str, Tensor]:
