@@ -163,3 +163,20 @@ def test_observe_methods_sees_first_and_remembered_calls():
     ops.matmul_all_reduce(a, b, method="auto")
     assert seen == [("matmul_all_reduce", "unfused"), ("matmul_all_reduce", "decomposed"),
                     ("matmul_all_reduce", "unfused")], seen
+
+
+def test_calls_that_cannot_be_remembered_are_checked_every_time():
+    """An unhashable ``method=`` cannot key the seen set: every such call is refused again, and a
+    remembered float eps is told apart from a bool or a NaN one (world size 1, no group)."""
+    from pyfused import ops
+    from pyfused.comm.validate import InputError
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    for _ in range(2):
+        with pytest.raises(InputError, match="method must be one of"):
+            ops.matmul_all_reduce(a, b, method=["auto"])
+    x, residual, weight = torch.randn(2, 4), torch.randn(2, 4), torch.ones(4)
+    ops.all_reduce_add_rmsnorm(x, residual, weight, eps=1.0)
+    for bad in (True, float("nan"), float("nan"), -1.0):
+        with pytest.raises(InputError, match="eps must be"):
+            ops.all_reduce_add_rmsnorm(x, residual, weight, eps=bad)

@@ -106,16 +106,23 @@ def validation_enabled() -> bool:
 
 def seen(pg: Optional[dist.ProcessGroup], key: Hashable):
     """The remembered outcome of a call with this ``key`` on ``pg``, or None (always None in
-    ``"always"`` mode). One dictionary lookup: the steady-state cost of validation."""
+    ``"always"`` mode, and for a key that cannot be hashed). One dictionary lookup: the
+    steady-state cost of validation."""
     if _mode == "always":
         return None
-    return _seen.get((pg, key))
+    try:
+        return _seen.get((pg, key))
+    except TypeError:  # an unhashable argument: such a call always takes the exchange
+        return None
 
 
 def remember(pg: Optional[dist.ProcessGroup], key: Hashable, outcome) -> None:
     """Record the outcome of a call that passed the exchange (or, mode ``"off"``, the local check)."""
     if _mode != "always":
-        _seen[(pg, key)] = outcome
+        try:
+            _seen[(pg, key)] = outcome
+        except TypeError:  # unhashable: not remembered, the next such call is checked again
+            pass
 
 
 def forget_seen() -> None:

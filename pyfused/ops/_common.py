@@ -120,24 +120,33 @@ class Choice:
     reason: str
 
 
-_MEMBER: dict = {}  # group -> whether this rank is a member
+# A ProcessGroup passed as ``group`` -> what ``_resolve`` made of it (its membership cannot change).
+_RESOLVED: dict = {}
 
 
 def _resolve(group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], bool]:
     """(the group to run on, the group to exchange over, whether this rank is a member). A rank
     outside the group it passed exchanges over the default group, where the others can hear it."""
+    if group is None:  # the default group (or none): every rank is a member
+        pg = comm.resolve_group(None)
+        return pg, pg, True
+    hit = _RESOLVED.get(group) if isinstance(group, dist.ProcessGroup) else None
+    if hit is not None:
+        return hit
     try:
         pg = comm.resolve_group(group)
     except comm.GroupError:
         pg, in_group = None, False
     else:
-        in_group = _MEMBER.get(pg)
-        if in_group is None:
-            in_group = _MEMBER[pg] = pg is None or dist.get_rank(pg) >= 0
+        in_group = pg is None or comm.rank(pg) >= 0
     if in_group:
-        return pg, pg, True
-    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return None, world, False
+        resolved = pg, pg, True
+    else:
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        resolved = None, world, False
+    if isinstance(group, dist.ProcessGroup):
+        _RESOLVED[group] = resolved
+    return resolved
 
 
 Check = Callable[[List[CallSignature], int, Tuple[str, ...]], Optional[str]]
@@ -313,7 +322,12 @@ def eager_direct(*tensors) -> bool:
     costs tens of microseconds of dispatch per call, more than a latency-bound op's own work."""
     if torch.compiler.is_compiling():
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if not torch.is_grad_enabled():
+        return True
+    for t in tensors:
+        if t.requires_grad:
+            return False
+    return True
 
 
 def backward_method(forward_method: str, backward_op: str) -> str:

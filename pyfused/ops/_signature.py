@@ -68,22 +68,19 @@ def _chunk_code(chunks) -> int:
 
 
 def call_key(name: str, method, chunks, options: tuple, tensors: Sequence[Any]):
-    """The key a repeated call is recognised by; None when an argument cannot be keyed (a bad one:
-    such a call always takes the exchange)."""
-    metas = []
+    """The key a repeated call is recognised by: one flat tuple of the arguments and of each tensor's
+    shape, dtype, device and requires_grad (no formatting, nothing to hash twice). None when a tensor
+    argument is not a tensor (a bad call: it always takes the exchange). A key that cannot be hashed
+    (e.g. an unhashable ``method=``) is refused by ``validate.seen``/``remember`` the same way."""
+    key = [name, method, chunks, options, torch.is_grad_enabled()]
     for t in tensors:
         if t is None:
-            metas.append(None)
+            key.append(None)
         elif isinstance(t, torch.Tensor):
-            metas.append((t.shape, t.dtype, t.device, t.requires_grad))
+            key += (t.shape, t.dtype, t.device, t.requires_grad)
         else:
             return None
-    key = (name, method, chunks, options, torch.is_grad_enabled(), *metas)
-    try:
-        hash(key)
-    except TypeError:  # e.g. an unhashable method= argument
-        return None
-    return key
+    return tuple(key)
 
 
 def common_refusal(sigs: List[CallSignature], names: Sequence[str],

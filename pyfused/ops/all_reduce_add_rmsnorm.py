@@ -84,9 +84,10 @@ def add_rmsnorm(reduced: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 
 def _unfused(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg) -> Tuple[Tensor, Tensor]:
+    if comm.world_size(pg) == 1:  # nothing to reduce in place: x itself is the sum
+        return add_rmsnorm(x, residual, weight, eps)
     reduced = x.clone(memory_format=torch.contiguous_format)
-    if comm.world_size(pg) > 1:
-        dist.all_reduce(reduced, group=pg)
+    dist.all_reduce(reduced, group=pg)
     return add_rmsnorm(reduced, residual, weight, eps)
 
 
@@ -166,7 +167,22 @@ _all_reduce_add_rmsnorm_op.register_autograd(_backward, setup_context=_setup_con
 
 
 def _eps_code(eps) -> Tuple[int, int]:
-    """(bits of eps as a float64, 1 if eps is a finite number >= 0 else 0)."""
+    """(bits of eps as a float64, 1 if eps is a finite number >= 0 else 0); remembered for a float
+    eps, since a model passes the same one on every call."""
+    if type(eps) is not float or eps == 0.0:  # 0.0 == -0.0, but their bits differ
+        return _eps_code_of(eps)
+    code = _EPS_CODES.get(eps)
+    if code is None:
+        code = _eps_code_of(eps)
+        if len(_EPS_CODES) < 64:
+            _EPS_CODES[eps] = code
+    return code
+
+
+_EPS_CODES: dict = {}
+
+
+def _eps_code_of(eps) -> Tuple[int, int]:
     if isinstance(eps, bool):
         return 0, 0
     try:
