@@ -112,7 +112,10 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
     _raise_first_difference(pg, sigs, entries, descs)
 
 
-def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]) -> None:
+def first_difference(pg, sigs: List[Signature], descs: List[str]) -> int:
+    """Index of the first entry whose description differs between ranks (a collective over ``pg``);
+    the shortest rank's entry count when every entry they all have agrees. ``sigs[r].ints[1]``:
+    rank r's entry count."""
     common = min(s.ints[1] for s in sigs)
     world = len(sigs)
     dev = comm.comm_device(pg)
@@ -120,11 +123,15 @@ def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
     comm.all_gather_single(every, mine, group=pg)
     table = every.view(world, -1).cpu()
-    idx = common
     if common:
         diff = (table != table[0]).any(dim=0).nonzero()
         if diff.numel():
-            idx = int(diff[0, 0])
+            return int(diff[0, 0])
+    return common
+
+
+def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]) -> None:
+    idx = first_difference(pg, sigs, descs)
     entry = entries[idx] if idx < len(entries) else None
     kind, name, t = entry if entry is not None else ("", "", None)
     chars = [ord(c) & 0x10FFFF for c in name[:NAME_CHARS]]

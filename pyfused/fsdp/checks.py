@@ -16,6 +16,7 @@ import torch
 
 from .. import comm
 from ..comm import InputError, Signature, TensorMeta
+from ..dp.checks import first_difference
 
 OP = "fully_shard"
 NAME_CHARS = 60
@@ -87,18 +88,7 @@ def agree_unit(pg, entries: List[Tuple[str, torch.Tensor]], options: Tuple[int, 
 
 
 def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]) -> None:
-    common = min(s.ints[1] for s in sigs)
-    world = len(sigs)
-    dev = comm.comm_device(pg)
-    mine = torch.tensor([_digest(d) for d in descs[:common]] or [0], dtype=torch.int64, device=dev)
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    comm.all_gather_single(every, mine, group=pg)
-    table = every.view(world, -1).cpu()
-    idx = common
-    if common:
-        diff = (table != table[0]).any(dim=0).nonzero()
-        if diff.numel():
-            idx = int(diff[0, 0])
+    idx = first_difference(pg, sigs, descs)
     name, t = entries[idx] if idx < len(entries) else ("", None)
     chars = [ord(c) & 0x10FFFF for c in name[:NAME_CHARS]]
     detail = Signature(comm.op_code(OP + ".entry"),
