@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pyfused import comm, ops
+from pyfused import comm
 from pyfused.bench.harness import BenchContext, op_row
 from pyfused.ops import _common
 from pyfused.ops.registry import OPS

@@ -4,9 +4,7 @@ matches eager, forward and backward, at world size 2 with sequence parallelism o
 Host-side work (validation, method choice) happens inside the registered ops when they run, so
 Dynamo never traces it."""
 import pytest
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.utils import assert_close
 
