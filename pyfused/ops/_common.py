@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -314,6 +315,31 @@ def prepare_matmul(op: str, a, b, group, method, chunks=0) -> Tuple[Optional[dis
     """``prepare`` for the three GEMM + collective ops (a [d0, ..., K], b [K, N])."""
     check, auto = _matmul_hooks(op)
     return prepare(op, ("a", "b"), (a, b), group, method, chunks=chunks, check=check, auto=auto)
+
+
+# Set while a functional wrapper calls its registered op for a call it has just validated (per
+# thread: virtual ranks launch from threads of one process).
+_WRAPPER_CALL = threading.local()
+
+
+def call_validated(op, *args):
+    """Call the registered ``op`` for a call the functional wrapper has just validated and resolved
+    (concrete method and chunks), so that the op's body does not exchange signatures again."""
+    _WRAPPER_CALL.validated = True
+    try:
+        return op(*args)
+    finally:
+        _WRAPPER_CALL.validated = False
+
+
+def take_validated() -> bool:
+    """In a registered op's body: whether its wrapper validated this call. Consumed, so ops called
+    from inside (a backward's op) validate themselves; False for calls from a compiled graph or
+    ``torch.ops`` directly, which the op then checks across ranks itself."""
+    if getattr(_WRAPPER_CALL, "validated", False):
+        _WRAPPER_CALL.validated = False
+        return True
+    return False
 
 
 def eager_direct(*tensors) -> bool:

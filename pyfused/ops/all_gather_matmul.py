@@ -96,9 +96,13 @@ def _run(a: Tensor, b: Tensor, pg, method: str, keep_gathered: bool
 def _all_gather_matmul_op(a: Tensor, b: Tensor, group_name: str, method: str,
                           keep_gathered: bool) -> Tuple[Tensor, Tensor]:
     """2-D op: returns (all_gather(a) @ b, all_gather(a) if keep_gathered else an empty tensor).
-    ``method`` as requested (validated here)."""
-    pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method)
-    out, gathered = _run(a, b, pg, choice.method, keep_gathered)
+    ``method`` as requested (validated here unless the functional wrapper just did)."""
+    if _common.take_validated():
+        pg = comm.group_from_name(group_name)
+    else:
+        pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method)
+        method = choice.method
+    out, gathered = _run(a, b, pg, method, keep_gathered)
     if not keep_gathered:
         gathered = a.new_empty((0,))
     elif gathered is a:  # world size 1: an op output must not alias an input
@@ -147,5 +151,6 @@ def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto")
         out, _ = _run(a2, b, pg, method, False)
     else:
         keep = torch.is_grad_enabled() and b.requires_grad
-        out, _ = torch.ops.pyfused.all_gather_matmul(a2, b, comm.group_name(pg), method, keep)
+        out, _ = _common.call_validated(torch.ops.pyfused.all_gather_matmul, a2, b,
+                                        comm.group_name(pg), method, keep)
     return out if a.dim() == 2 else out.view(w * a.shape[0], *a.shape[1:-1], b.shape[1])

@@ -123,7 +123,9 @@ def _run(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pg, method: st
 def _all_reduce_add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                                group_name: str, method: str, chunks: int) -> Tuple[Tensor, Tensor]:
     """2-D op: (RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual). ``method``
-    as requested (validated here)."""
+    as requested (validated here unless the functional wrapper just did)."""
+    if _common.take_validated():
+        return _run(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
     pg, choice = prepare(x, residual, weight, eps, comm.group_from_name(group_name), method, chunks)
     return _run(x, residual, weight, eps, pg, choice.method, chunks or choice.chunks)
 
@@ -256,6 +258,6 @@ def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
     if _common.eager_direct(x, residual, weight):
         normed, new_residual = _run(*args, pg, method, chunks)
     else:
-        normed, new_residual = torch.ops.pyfused.all_reduce_add_rmsnorm(
-            *args, comm.group_name(pg), method, chunks)
+        normed, new_residual = _common.call_validated(torch.ops.pyfused.all_reduce_add_rmsnorm,
+                                                      *args, comm.group_name(pg), method, chunks)
     return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))

@@ -72,7 +72,10 @@ def _run(a: Tensor, b: Tensor, pg, method: str, chunks: int) -> Tensor:
 
 @torch.library.custom_op("pyfused::matmul_all_reduce", mutates_args=(), **_common.OP_TAGS)
 def _matmul_all_reduce_op(a: Tensor, b: Tensor, group_name: str, method: str, chunks: int) -> Tensor:
-    """2-D op: sum over ranks of a @ b, on every rank. ``method`` as requested (validated here)."""
+    """2-D op: sum over ranks of a @ b, on every rank. ``method`` as requested (validated here
+    unless the functional wrapper just did)."""
+    if _common.take_validated():
+        return _run(a, b, comm.group_from_name(group_name), method, chunks)
     pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method, chunks)
     return _run(a, b, pg, choice.method, chunks or choice.chunks)
 
@@ -110,5 +113,6 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
     if _common.eager_direct(a, b):
         out = _run(a2, b, pg, method, chunks)
     else:
-        out = torch.ops.pyfused.matmul_all_reduce(a2, b, comm.group_name(pg), method, chunks)
+        out = _common.call_validated(torch.ops.pyfused.matmul_all_reduce, a2, b, comm.group_name(pg),
+                                     method, chunks)
     return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

@@ -85,7 +85,9 @@ def _run(a: Tensor, b: Tensor, pg, method: str) -> Tensor:
 @torch.library.custom_op("pyfused::matmul_reduce_scatter", mutates_args=(), **_common.OP_TAGS)
 def _matmul_reduce_scatter_op(a: Tensor, b: Tensor, group_name: str, method: str) -> Tensor:
     """2-D op: rows [r*M/W, (r+1)*M/W) of the sum over ranks of a @ b. ``method`` as requested
-    (validated here)."""
+    (validated here unless the functional wrapper just did)."""
+    if _common.take_validated():
+        return _run(a, b, comm.group_from_name(group_name), method)
     pg, choice = _common.prepare_matmul(OP, a, b, comm.group_from_name(group_name), method)
     return _run(a, b, pg, choice.method)
 
@@ -129,5 +131,6 @@ def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "au
     if _common.eager_direct(a, b):
         out = _run(a2, b, pg, method)
     else:
-        out = torch.ops.pyfused.matmul_reduce_scatter(a2, b, comm.group_name(pg), method)
+        out = _common.call_validated(torch.ops.pyfused.matmul_reduce_scatter, a2, b,
+                                     comm.group_name(pg), method)
     return out if a.dim() == 2 else out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])
