@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0a"  # A100, H100 (9.0a: sm_90a features)
 # Both relative to HERE: setuptools wants relative source paths.
 SOURCES = ["csrc/flags.cpp", "csrc/flags_cuda.cu",  # distinct stems: each compiles to <stem>.o
-           "csrc/allreduce.cpp", "csrc/allreduce_cuda.cu"]
+           "csrc/allreduce.cpp", "csrc/allreduce_cuda.cu", "csrc/plan_cache.cpp"]
 GIB_PER_COMPILE_JOB = 3  # peak RSS of one nvcc/g++ job on a torch-including file, with margin
 
 

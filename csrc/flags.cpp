@@ -97,15 +97,25 @@ TORCH_LIBRARY_IMPL(pyfused, Meta, m) {
   m.impl("wait_flag", &pyfused::wait_flag_meta);
 }
 
-// A plain extension module with no Python functions: importing it runs the registrations above.
-// No pybind11, so this file compiles quickly and needs nothing from libtorch_python.
+namespace pyfused {
+int add_plan_cache_functions(PyObject* module);  // csrc/plan_cache.cpp
+}  // namespace pyfused
+
+// The extension module: importing it runs the registrations above; its only Python functions are
+// the plan cache's (csrc/plan_cache.cpp). No pybind11, so the files compile quickly.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
       "pyfused._C",
-      "pyfused CUDA extension: registers torch.ops.pyfused.signal_flag and wait_flag.",
+      "pyfused CUDA extension: registers torch.ops.pyfused.signal_flag and wait_flag, and holds "
+      "the plan cache of the ops' steady-state calls.",
       -1,
       nullptr,
   };
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && pyfused::add_plan_cache_functions(module) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }

@@ -152,6 +152,7 @@ def _by(rows, **match):
 def test_overhead_suite_covers_every_op_and_method(tmp_path):
     """The overhead suite: for every op of the registry, at world sizes 1 and 2, plain torch and
     every method, with the ratio computed from the times of the same run."""
+    from pyfused.comm import plans
     from pyfused.ops.registry import OPS
 
     out = tmp_path / "out"
@@ -168,7 +169,9 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
             continue
         assert row["status"] == "ok" and row["us_per_call"] > 0
         assert row["overhead_x"] == pytest.approx(row["us_per_call"] / row["torch_us"])
+        assert row["median_us"] >= row["us_per_call"]  # the best sample is at most the median
         assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
+        assert row["plan_cache"] == plans.IMPLEMENTATION
 
 
 def test_cli_quick_end_to_end(tmp_path):

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
+from . import plans
 from .collectives import all_gather_single
 from .faults import failures_named
 from .group import comm_device, world_size
@@ -92,7 +93,7 @@ def set_validation(mode="first") -> None:
     Outcomes remembered under another mode are forgotten."""
     global _mode
     _mode = _parse_mode(mode)
-    _seen.clear()
+    forget_seen()
 
 
 def validation_mode() -> str:
@@ -126,8 +127,10 @@ def remember(pg: Optional[dist.ProcessGroup], key: Hashable, outcome) -> None:
 
 
 def forget_seen() -> None:
-    """Forget every remembered outcome (e.g. after the tuning cache changed); call on every rank."""
+    """Forget every remembered outcome (e.g. after the tuning cache changed); call on every rank.
+    The plan cache (pyfused/comm/plans.py), which only accelerates this record, is cleared too."""
     _seen.clear()
+    plans.clear()
 
 
 _op_codes: Dict[str, int] = {}

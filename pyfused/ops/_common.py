@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .._logging import logger
-from ..comm import validate
+from ..comm import plans, validate
 from ._signature import (  # noqa: F401  (part of this module's interface)
     FLOAT_DTYPES, METHODS, NOT_A_METHOD, CallSignature, agreement, call_key, check_matmul_inputs,
     common_refusal, int_code, method_code, _chunk_code, _meta,
@@ -164,7 +164,8 @@ def observe_methods(callback: Callable[[str, "Choice"], None]):
     "auto") and ``choice.reason`` says why. For tools that report which methods fire on a model."""
     _METHOD_OBSERVERS.append(callback)
     try:
-        yield
+        with plans.observe_hits(lambda plan: callback(plan.op, plan.choice)):
+            yield
     finally:
         _METHOD_OBSERVERS.remove(callback)
 
@@ -317,6 +318,56 @@ def prepare_matmul(op: str, a, b, group, method, chunks=0) -> Tuple[Optional[dis
     return prepare(op, ("a", "b"), (a, b), group, method, chunks=chunks, check=check, auto=auto)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How every call like one validated call runs: decided once by ``prepare``, then found by
+    ``comm.plans.lookup`` (one C++ call) for each repeat of the call."""
+    op: str
+    pg: Optional[dist.ProcessGroup]
+    group_name: str
+    method: str       # the concrete method (never "auto"), or as asked when ``traced``
+    chunks: int
+    choice: Choice
+    direct: bool      # no autograd graph to record: run the implementation, not the registered op
+    local: bool       # direct, world size 1 and not fused: the op is its computation alone
+    traced: bool = False  # under torch.compile: the registered op validates when it runs
+
+
+def traced_plan(op: str, group, method: str, chunks: int = 0) -> Plan:
+    """The plan of a call Dynamo traces: the registered op, with the method as asked."""
+    pg = comm.resolve_group(group)
+    return Plan(op, pg, comm.group_name(pg), method, chunks, Choice(method, chunks, "traced"),
+                direct=False, local=False, traced=True)
+
+
+def new_plan(op: str, pg, choice: Choice, chunks: int, tensors: Sequence[torch.Tensor],
+             key: tuple) -> Plan:
+    """The plan of a call ``prepare`` just accepted, stored in the plan cache under
+    ``key`` = (group as passed, method as passed, *the arguments the op keys on) unless validation
+    mode is "always" (every call is then checked again)."""
+    direct = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    plan = Plan(op, pg, comm.group_name(pg), choice.method, chunks or choice.chunks, choice, direct,
+                local=direct and comm.world_size(pg) == 1 and choice.method != "fused")
+    if validate.validation_mode() != "always":
+        plans.store(plan, OPS[op].code, *key)
+    return plan
+
+
+def plan_matmul(op: str, a, b, group, method, chunks: int = 0) -> Plan:
+    """The plan of a GEMM op's call that the plan cache did not hold."""
+    if torch.compiler.is_compiling():
+        return traced_plan(op, group, method, chunks)
+    pg, choice = prepare_matmul(op, a, b, group, method, chunks)
+    key = (group, method, chunks, a, b) if OPS[op].chunked else (group, method, a, b)
+    return new_plan(op, pg, choice, chunks, (a, b), key)
+
+
+def call_op(plan: Plan, op, *args):
+    """``op(*args)`` for a call that goes through its registered op (autograd, or a trace): an
+    eager call was validated when its plan was made, so the op's body does not check it again."""
+    return op(*args) if plan.traced else call_validated(op, *args)
+
+
 # Set while a functional wrapper calls its registered op for a call it has just validated (per
 # thread: virtual ranks launch from threads of one process).
 _WRAPPER_CALL = threading.local()
@@ -340,20 +391,6 @@ def take_validated() -> bool:
         _WRAPPER_CALL.validated = False
         return True
     return False
-
-
-def eager_direct(*tensors) -> bool:
-    """Whether a call may run its implementation directly instead of through its registered op:
-    eager (not being traced by torch.compile) and no autograd graph to record. The registered op
-    costs tens of microseconds of dispatch per call, more than a latency-bound op's own work."""
-    if torch.compiler.is_compiling():
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    for t in tensors:
-        if t.requires_grad:
-            return False
-    return True
 
 
 def backward_method(forward_method: str, backward_op: str) -> str:

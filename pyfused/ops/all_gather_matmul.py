@@ -25,9 +25,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
+from ..comm import plans
 from . import _common, _fused
+from .registry import OPS
 
 OP = "all_gather_matmul"
+_CODE = OPS[OP].code
 
 
 def all_gather_matmul_ref(shards: Sequence[Tensor], b: Tensor) -> Tensor:
@@ -140,17 +143,17 @@ _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
-        pg = comm.resolve_group(group)
-    else:
-        pg, choice = _common.prepare_matmul(OP, a, b, group, method)
-        method = choice.method
-    w = comm.world_size(pg)
+    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, a, b)
+    if plan is None:
+        plan = _common.plan_matmul(OP, a, b, group, method)
+    if plan.local:  # one rank, no autograd graph: the product is the whole op
+        return a @ b
+    w = comm.world_size(plan.pg)
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if _common.eager_direct(a, b):
-        out, _ = _run(a2, b, pg, method, False)
+    if plan.direct:
+        out, _ = _run(a2, b, plan.pg, plan.method, False)
     else:
         keep = torch.is_grad_enabled() and b.requires_grad
-        out, _ = _common.call_validated(torch.ops.pyfused.all_gather_matmul, a2, b,
-                                        comm.group_name(pg), method, keep)
+        out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
+                                 plan.method, keep)
     return out if a.dim() == 2 else out.view(w * a.shape[0], *a.shape[1:-1], b.shape[1])

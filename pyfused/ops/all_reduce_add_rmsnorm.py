@@ -41,9 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
+from ..comm import plans
 from . import _common, _fused
+from .registry import OPS
 
 OP = "all_reduce_add_rmsnorm"
+_CODE = OPS[OP].code
 INPUTS = ("x", "residual", "weight")
 
 
@@ -242,22 +245,32 @@ def _auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
     return _common.auto_preference(OP, pg, tensors, fused_ok)
 
 
+def _plan(x, residual, weight, eps, group, method, chunks) -> _common.Plan:
+    """The plan of a call that the plan cache did not hold."""
+    if torch.compiler.is_compiling():
+        return _common.traced_plan(OP, group, method, chunks)
+    pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
+    return _common.new_plan(OP, pg, choice, chunks, (x, residual, weight),
+                            (group, method, chunks, eps, x, residual, weight))
+
+
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
-        pg = comm.resolve_group(group)
-    else:
-        pg, choice = prepare(x, residual, weight, eps, group, method, chunks)
-        method, chunks = choice.method, chunks or choice.chunks
+    plan = None if torch.compiler.is_compiling() else plans.lookup(
+        _CODE, group, method, chunks, eps, x, residual, weight)
+    if plan is None:
+        plan = _plan(x, residual, weight, eps, group, method, chunks)
+    if plan.local:  # one rank, no autograd graph: x is already the sum
+        return add_rmsnorm(x, residual, weight, float(eps))
     flat = x.dim() == 2
     h = x.shape[-1]
     args = ((x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))) + (weight,
                                                                                        float(eps))
-    if _common.eager_direct(x, residual, weight):
-        normed, new_residual = _run(*args, pg, method, chunks)
+    if plan.direct:
+        normed, new_residual = _run(*args, plan.pg, plan.method, plan.chunks)
     else:
-        normed, new_residual = _common.call_validated(torch.ops.pyfused.all_reduce_add_rmsnorm,
-                                                      *args, comm.group_name(pg), method, chunks)
+        normed, new_residual = _common.call_op(plan, torch.ops.pyfused.all_reduce_add_rmsnorm, *args,
+                                               plan.group_name, plan.method, plan.chunks)
     return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))

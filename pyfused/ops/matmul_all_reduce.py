@@ -26,9 +26,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
+from ..comm import plans
 from . import _common, _fused
+from .registry import OPS
 
 OP = "matmul_all_reduce"
+_CODE = OPS[OP].code
 
 
 def matmul_all_reduce_ref(a_per_rank: Sequence[Tensor], b_per_rank: Sequence[Tensor]) -> Tensor:
@@ -104,15 +107,15 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
-        pg = comm.resolve_group(group)
-    else:
-        pg, choice = _common.prepare_matmul(OP, a, b, group, method, chunks)
-        method, chunks = choice.method, chunks or choice.chunks
+    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, chunks, a, b)
+    if plan is None:
+        plan = _common.plan_matmul(OP, a, b, group, method, chunks)
+    if plan.local:  # one rank, no autograd graph: the product is the whole op
+        return a @ b
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if _common.eager_direct(a, b):
-        out = _run(a2, b, pg, method, chunks)
+    if plan.direct:
+        out = _run(a2, b, plan.pg, plan.method, plan.chunks)
     else:
-        out = _common.call_validated(torch.ops.pyfused.matmul_all_reduce, a2, b, comm.group_name(pg),
-                                     method, chunks)
+        out = _common.call_op(plan, torch.ops.pyfused.matmul_all_reduce, a2, b, plan.group_name,
+                              plan.method, plan.chunks)
     return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

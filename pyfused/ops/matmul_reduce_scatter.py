@@ -24,9 +24,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
+from ..comm import plans
 from . import _common, _fused
+from .registry import OPS
 
 OP = "matmul_reduce_scatter"
+_CODE = OPS[OP].code
 
 
 def matmul_reduce_scatter_ref(a_per_rank: Sequence[Tensor], b_per_rank: Sequence[Tensor],
@@ -121,16 +124,16 @@ _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_cont
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    if torch.compiler.is_compiling():  # traced: the registered op validates when it runs
-        pg = comm.resolve_group(group)
-    else:
-        pg, choice = _common.prepare_matmul(OP, a, b, group, method)
-        method = choice.method
-    w = comm.world_size(pg)
+    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, a, b)
+    if plan is None:
+        plan = _common.plan_matmul(OP, a, b, group, method)
+    if plan.local:  # one rank, no autograd graph: the product is the whole op
+        return a @ b
+    w = comm.world_size(plan.pg)
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if _common.eager_direct(a, b):
-        out = _run(a2, b, pg, method)
+    if plan.direct:
+        out = _run(a2, b, plan.pg, plan.method)
     else:
-        out = _common.call_validated(torch.ops.pyfused.matmul_reduce_scatter, a2, b,
-                                     comm.group_name(pg), method)
+        out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
+                              plan.method)
     return out if a.dim() == 2 else out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])

@@ -11,6 +11,7 @@ fields name them, and ``OpSpec.function`` / ``reference`` / ``fused_function`` i
 from __future__ import annotations
 
 import importlib
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -26,6 +27,11 @@ class OpSpec:
     shape_rule: str           # the output shape, for the docs
     fused: Optional[str]      # "module:function" of the fused implementation, None if there is none
     kernels: Tuple[str, ...]  # files of the kernels the fused implementation launches
+
+    @property
+    def code(self) -> int:
+        """The op's number in the plan cache's keys (pyfused/comm/plans.py)."""
+        return zlib.crc32(self.name.encode()) & 0x3FFFFFFF
 
     @property
     def module(self) -> str:
