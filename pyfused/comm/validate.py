@@ -107,8 +107,8 @@ def validation_enabled() -> bool:
 
 def seen(pg: Optional[dist.ProcessGroup], key: Hashable):
     """The remembered outcome of a call with this ``key`` on ``pg``, or None (always None in
-    ``"always"`` mode, and for a key that cannot be hashed). One dictionary lookup: the
-    steady-state cost of validation."""
+    ``"always"`` mode, and for a key that cannot be hashed). One dictionary lookup; an op call
+    repeated with plain tensors is found earlier still, in the plan cache (pyfused/comm/plans.py)."""
     if _mode == "always":
         return None
     try:

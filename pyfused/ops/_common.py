@@ -1,6 +1,9 @@
-"""What the ops and the tensor-parallel layers share: method names, the input contract, ``prepare``.
+"""What the ops and the tensor-parallel layers share: method names, the input contract, ``prepare``,
+and the ``Plan`` a validated op call leaves in the plan cache (pyfused/comm/plans.py), where every
+repeat of the call finds it without running ``prepare`` again.
 
-Every op and layer call runs ``prepare`` on every rank before any collective of its own:
+Every layer call, and every op call the plan cache does not hold, runs ``prepare`` on every rank
+before any collective of its own:
   1. resolve the group (a rank that is not a member of the group it passed takes part through the
      default group, so the others hear of it),
   2. with validation mode ``"first"`` (pyfused/comm/validate.py): if this rank has seen this exact
