@@ -215,3 +215,46 @@ def test_the_cpp_table_starts_over_when_full():
         assert plans.lookup(9, None, "auto", 0) is None
     finally:
         plans.clear()
+
+
+def _layer_repeats_match_linear(rank, world, implementation):
+    """Column- and row-parallel layers, with and without autograd, forward (and backward) three
+    times: every repeat, found in the plan cache, equals the first call, and the gathered output
+    equals the single-device nn.Linear's."""
+    from pyfused.layers import ColumnParallelLinear, RowParallelLinear
+
+    plans.use_python_implementation(implementation == "python")
+    try:
+        torch.manual_seed(5)
+        full = torch.nn.Linear(9, 6 * world)
+        x = torch.randn(2, 3, 9)
+        layers = {"column": ColumnParallelLinear.from_linear(full, gather_output=True),
+                  "row": RowParallelLinear.from_linear(torch.nn.Linear(3 * world, 7),
+                                                       input_is_parallel=False)}
+        problems = []
+        for name, layer in layers.items():
+            inp = x if name == "column" else torch.randn(2, 3, 3 * world)
+            expected = full(x) if name == "column" else layer.to_linear()(inp)
+            for grad in (False, True):
+                outs = []
+                for _ in range(3):
+                    layer.zero_grad()
+                    leaf = inp.detach().clone().requires_grad_(grad)
+                    with torch.set_grad_enabled(grad):
+                        y = layer(leaf)
+                    if grad:
+                        y.square().sum().backward()
+                    outs.append([y.detach()] + ([leaf.grad, layer.weight.grad] if grad else []))
+                if not all(torch.equal(a, b) for repeat in outs[1:] for a, b in zip(outs[0], repeat)):
+                    problems.append((name, grad, "repeat differs"))
+                if not torch.allclose(outs[0][0], expected.detach(), atol=1e-5, rtol=1e-5):
+                    problems.append((name, grad, "differs from nn.Linear"))
+        return problems
+    finally:
+        plans.use_python_implementation(False)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_layer_repeats_run_like_the_first_forward(ranks, world, implementation):
+    for problems in ranks.run(world, _layer_repeats_match_linear, implementation, timeout=TIMEOUT):
+        assert problems == []

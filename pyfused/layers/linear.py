@@ -26,9 +26,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
+from ..comm import plans
 from ..ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from ..ops import _common
 from ._tp_functions import (
@@ -98,21 +100,30 @@ class _ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.world_size, self.rank = comm.world_size(self.pg), comm.rank(self.pg)
         self.group_name = comm.group_name(self.pg)
+        self._forward_code = comm.op_code(f"{kind}.forward")  # its key in the plan cache
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         self.has_bias = bias
 
-    def _prepare_forward(self, x, width: int, replicated: bool) -> None:
+    def _prepare_forward(self, x, width: int, replicated: bool) -> Optional[_common.Plan]:
         """Every rank agrees on this forward's input (and on which inputs need a gradient, which
-        decides whether backward runs collectives) before any collective of the layer. Traced by
-        torch.compile, the check is left to the registered ops, which validate when they run."""
+        decides whether backward runs collectives) before any collective of the layer; the plan
+        says whether the forward records an autograd graph. Traced by torch.compile (None), the
+        check is left to the registered ops, which validate when they run."""
         if torch.compiler.is_compiling():
-            return
+            return None
+        key = (self.pg, self.overlap, width, replicated, x, self.weight, self.bias)
+        plan = plans.lookup(self._forward_code, *key)
+        if plan is not None:  # this forward was checked before
+            return plan
         kind = type(self).__name__
         names, tensors = _layer_tensors(x, self.weight, self.bias)
-        _common.prepare(f"{kind}.forward", names, tensors, self.pg, self.overlap,
-                        options=(width, int(replicated)),
-                        check=_check_forward_input(kind, width, replicated), method_arg="overlap")
+        pg, choice = _common.prepare(f"{kind}.forward", names, tensors, self.pg, self.overlap,
+                                     options=(width, int(replicated)),
+                                     check=_check_forward_input(kind, width, replicated),
+                                     method_arg="overlap")
+        return _common.new_plan(f"{kind}.forward", pg, choice, 0, tensors, key,
+                                code=self._forward_code)
 
     def reset_parameters(self) -> None:
         # nn.Linear's default init with the *full* layer's fan-in, so a shard draws from the same
@@ -191,12 +202,15 @@ class ColumnParallelLinear(_ParallelLinear):
         return 0
 
     def forward(self, x: Tensor) -> Tensor:
-        self._prepare_forward(x, self.in_features, replicated=not self.sequence_parallel)
+        plan = self._prepare_forward(x, self.in_features, replicated=not self.sequence_parallel)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight.t(), self.pg, method=self.overlap)
             return y + self.bias if self.bias is not None else y
-        y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.group_name,
-                                              self.overlap)
+        if plan is not None and plan.direct:  # no autograd graph: the forward is the local linear
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = ColumnLinearReplicatedInput.apply(x, self.weight, self.bias, self.group_name,
+                                                  self.overlap)
         return GatherLastDim.apply(y, self.pg) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -227,7 +241,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         width = self.in_local if self.input_is_parallel else self.in_features
-        self._prepare_forward(x, width, replicated=not self.input_is_parallel)
+        plan = self._prepare_forward(x, width, replicated=not self.input_is_parallel)
+        if plan is not None and plan.local:  # one rank, no autograd graph: the local linear
+            return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = ScatterLastDim.apply(x, self.pg)
         if self.sequence_parallel:

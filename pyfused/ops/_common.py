@@ -343,16 +343,16 @@ def traced_plan(op: str, group, method: str, chunks: int = 0) -> Plan:
                 direct=False, local=False, traced=True)
 
 
-def new_plan(op: str, pg, choice: Choice, chunks: int, tensors: Sequence[torch.Tensor],
-             key: tuple) -> Plan:
-    """The plan of a call ``prepare`` just accepted, stored in the plan cache under
-    ``key`` = (group as passed, method as passed, *the arguments the op keys on) unless validation
-    mode is "always" (every call is then checked again)."""
-    direct = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+def new_plan(op: str, pg, choice: Choice, chunks: int, tensors: Sequence[Optional[torch.Tensor]],
+             key: tuple, code: Optional[int] = None) -> Plan:
+    """The plan of a call ``prepare`` just accepted, stored in the plan cache under ``code`` (the
+    op's, by default) and ``key`` = (group as passed, method as passed, *the arguments the call is
+    keyed on), unless validation mode is "always" (every call is then checked again)."""
+    direct = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     plan = Plan(op, pg, comm.group_name(pg), choice.method, chunks or choice.chunks, choice, direct,
                 local=direct and comm.world_size(pg) == 1 and choice.method != "fused")
     if validate.validation_mode() != "always":
-        plans.store(plan, OPS[op].code, *key)
+        plans.store(plan, OPS[op].code if code is None else code, *key)
     return plan
 
 
