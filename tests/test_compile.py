@@ -46,3 +46,42 @@ def _compiled_mlp_matches_eager(rank, world, sp, backend, overlap):
 @pytest.mark.parametrize("sp", [False, True])
 def test_compiled_tp_mlp_matches_eager(ranks, sp, backend):
     assert all(ranks.run(2, _compiled_mlp_matches_eager, sp, backend, "auto", timeout=300))
+
+
+def _compiled_ops_match_eager(rank, world):
+    """Each functional op called eagerly first (its plan is then in the plan cache, which Dynamo
+    must not consult), then compiled with fullgraph=True, with and without gradients."""
+    import torch
+    import torch._dynamo
+
+    from pyfused.ops.registry import OPS
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    for name, spec in OPS.items():
+        if spec.gemm:
+            inputs = (torch.randn(2 * world, 5, generator=gen), torch.randn(5, 3, generator=gen))
+        else:
+            inputs = (torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen),
+                      torch.randn(6, generator=gen))
+        for grad in (False, True):
+            fn = spec.function
+            eager_in = [t.clone().requires_grad_(grad) for t in inputs]
+            for _ in range(2):
+                eager = fn(*eager_in)
+            compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+            comp_in = [t.clone().requires_grad_(grad) for t in inputs]
+            comp = compiled(*comp_in)
+            eager, comp = (eager, comp) if isinstance(eager, tuple) else ((eager,), (comp,))
+            for e, c in zip(eager, comp):
+                assert_close(c, e, torch.float32, f"{name} grad={grad}")
+            if grad:
+                sum(o.square().sum() for o in eager).backward()
+                sum(o.square().sum() for o in comp).backward()
+                for e, c in zip(eager_in, comp_in):
+                    assert_close(c.grad, e.grad, torch.float32, f"{name} input grad")
+    return True
+
+
+def test_compiled_ops_match_eager_after_eager_calls(ranks):
+    assert all(ranks.run(2, _compiled_ops_match_eager, timeout=300))

@@ -143,7 +143,8 @@ _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, a, b)
+    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
+    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
     if plan is None:
         plan = _common.plan_matmul(OP, a, b, group, method)
     if plan.local:  # one rank, no autograd graph: the product is the whole op

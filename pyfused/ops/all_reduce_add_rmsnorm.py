@@ -258,8 +258,8 @@ def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    plan = None if torch.compiler.is_compiling() else plans.lookup(
-        _CODE, group, method, chunks, eps, x, residual, weight)
+    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
+    plan = None if tracing else plans.lookup(_CODE, group, method, chunks, eps, x, residual, weight)
     if plan is None:
         plan = _plan(x, residual, weight, eps, group, method, chunks)
     if plan.local:  # one rank, no autograd graph: x is already the sum

@@ -107,7 +107,8 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, chunks, a, b)
+    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
+    plan = None if tracing else plans.lookup(_CODE, group, method, chunks, a, b)
     if plan is None:
         plan = _common.plan_matmul(OP, a, b, group, method, chunks)
     if plan.local:  # one rank, no autograd graph: the product is the whole op

@@ -124,7 +124,8 @@ _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_cont
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    plan = None if torch.compiler.is_compiling() else plans.lookup(_CODE, group, method, a, b)
+    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
+    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
     if plan is None:
         plan = _common.plan_matmul(OP, a, b, group, method)
     if plan.local:  # one rank, no autograd graph: the product is the whole op
