@@ -126,9 +126,17 @@ bool add_argument(PyObject* arg, std::vector<int64_t>& words) {
   return false;
 }
 
+// The key of the call being looked up or stored: one object reused by every call (the GIL
+// serialises them), so that a lookup allocates nothing once its words have grown to size.
+Key& scratch_key() {
+  static auto* key = new Key{nullptr, {}};  // never destroyed
+  return *key;
+}
+
 // Builds the key of (op, group, method, *arguments); false when the call is uncacheable or an
 // error is set (only if resolving group=None raised).
 bool make_key(PyObject* const* args, Py_ssize_t nargs, Key& key) {
+  key.words.clear();
   if (nargs < 3 || !PyLong_CheckExact(args[0])) {
     return false;
   }
@@ -147,7 +155,6 @@ bool make_key(PyObject* const* args, Py_ssize_t nargs, Key& key) {
   }
   key.group = group;
   Py_XDECREF(resolved);  // the default group stays referenced by torch.distributed while it lives
-  key.words.reserve(8 + 12 * static_cast<size_t>(nargs));
   key.words.push_back(PyLong_AsLongLong(args[0]));
   key.words.push_back(method);
   key.words.push_back(at::GradMode::is_enabled());
@@ -161,7 +168,7 @@ bool make_key(PyObject* const* args, Py_ssize_t nargs, Key& key) {
 
 // plan_lookup(op_code, group, method, *arguments) -> the stored plan, or None.
 PyObject* plan_lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  Key key;
+  Key& key = scratch_key();
   if (!make_key(args, nargs, key)) {
     if (PyErr_Occurred()) {
       return nullptr;
@@ -183,7 +190,7 @@ PyObject* plan_store(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "plan_store(plan, op_code, group, method, *arguments)");
     return nullptr;
   }
-  Key key;
+  Key& key = scratch_key();
   if (!make_key(args + 1, nargs - 1, key)) {
     if (PyErr_Occurred()) {
       return nullptr;
@@ -208,7 +215,7 @@ PyObject* plan_store(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Py_INCREF(key.group);
   Py_INCREF(plan);
-  entries.emplace(std::move(key), plan);
+  entries.emplace(key, plan);  // a copy: the scratch key is reused
   Py_RETURN_TRUE;
 }
 
