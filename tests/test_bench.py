@@ -172,6 +172,8 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
         assert row["median_us"] >= row["us_per_call"]  # the best sample is at most the median
         assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
         assert row["plan_cache"] == plans.IMPLEMENTATION
+        assert row["host_us"] == row["us_per_call"]  # on CPU the host time is the time
+        assert row["host_over_torch_us"] == pytest.approx(row["us_per_call"] - row["torch_us"])
 
 
 def test_cli_quick_end_to_end(tmp_path):
