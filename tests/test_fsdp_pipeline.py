@@ -6,9 +6,11 @@ the dp dim, against the single-process model.
 * three AdamW steps with clipping on a 3-D (dp=2, pp=2, tp=1) mesh, 1F1B with 2 microbatches and
   GPipe with 3 uneven ones: the parameters equal the single-process model's;
 * the memory claim: each dp rank of a stage holds only its rows of that stage's parameters, and
-  nothing stays gathered after a step; gradients are reduce-scattered once per step.
+  nothing stays gathered after a step; gradients are reduce-scattered once per step;
+* a split-backward schedule is refused with the same error on every rank.
 
-fsdp x pp x tp needs 8 ranks (the CI box runs 4): fsdp x tp is covered by test_fsdp_parallelize.py.
+* fsdp x pp x tp on the 3-D (2, 2, 2) mesh at world 8 (its own pool, closed after the test): one
+  step of GPT-2 with sequence parallelism and three training steps of Llama.
 """
 import pytest
 import torch
@@ -54,12 +56,13 @@ def _reference(family: str, dp: int):
     return ref.state_dict(), torch.stack(norms)
 
 
-def _trains_like_one_process(rank, world, family, options):
+def _trains_like_one_process(rank, world, family, options, shape=(2, 2, 1)):
+    """``shape``: (dp, pp, tp); (2, 2, 2) runs at world 8."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
 
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
     dp, dp_rank = mesh.size(0), mesh.get_local_rank("dp")
     pm = pyfused.parallelize(build(family), mesh, dp="fsdp", **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -74,7 +77,7 @@ def _trains_like_one_process(rank, world, family, options):
         opt.step()
     full = pm.full_state_dict()
     want, ref_norms = _reference(family, dp)
-    tag = f"{family} {options} rank {rank}"
+    tag = f"{family} {options} mesh {shape} rank {rank}"
     assert list(full) == list(want), tag
     # AdamW divides each element by its own gradient's magnitude: a rounding-level difference in a
     # near-zero gradient moves that element by up to the learning rate (docs/FSDP.md, Tests)
@@ -143,3 +146,41 @@ def _shards_and_syncs_once(rank, world):
 
 def test_fsdp_stage_holds_its_shards_and_reduces_once(ranks):
     assert all(ranks.run(4, _shards_and_syncs_once, timeout=240))
+
+
+def _three_d_mesh(rank, world):
+    one_step = {"n_microbatches": 2, "dp": "fsdp", "split_points": [2]}
+    assert M._mesh_matches(rank, world, "gpt2", (2, 2, 2), ("dp", "pp", "tp"), True, one_step)
+    return _trains_like_one_process(rank, world, "llama", {"n_microbatches": 2, "split_points": [2]},
+                                    (2, 2, 2))
+
+
+@pytest.mark.slow
+def test_fsdp_x_pipeline_x_tensor_parallel_at_world_8():
+    from tests.dist_pool import RankPool
+
+    pool = RankPool(8)  # no other test runs 8 ranks: not kept for the session
+    try:
+        assert all(pool.run(_three_d_mesh, timeout=400))
+    finally:
+        pool.close()
+
+
+def _split_backward_schedule(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.parallelize.api import ParallelizeError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    try:
+        pyfused.parallelize(build("llama"), mesh, dp="fsdp", schedule="zbh1")
+    except ParallelizeError as e:
+        return str(e)
+    return None
+
+
+def test_split_backward_schedule_same_error_everywhere(ranks):
+    # parallelize offers GPipe and 1F1B, whose last microbatch's backward is a stage's last one
+    messages = ranks.run(4, _split_backward_schedule, timeout=240)
+    assert messages[0] and len(set(messages)) == 1 and "'zbh1'" in messages[0], messages
