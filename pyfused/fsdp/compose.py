@@ -26,7 +26,8 @@ from .fully_shard import FSDPModule, fully_shard
 
 
 def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
-                root: Optional[nn.Module] = None, blocks: Optional[Iterable[nn.Module]] = None) -> None:
+                root: Optional[nn.Module] = None,
+                blocks: Optional[Iterable[nn.Module]] = None) -> None:
     """Shard over ``dp_mesh`` the blocks (``model.<block_list>``, or ``blocks``), then ``root``
     (default: ``model``); ``specs`` (id(parameter) -> tensor-parallel spec) follows the parameters
     to their shards, found again by their keys in ``model.state_dict()``."""
@@ -69,7 +70,7 @@ class FullyShardedStage(nn.Module):
         self.count = 0
 
     def forward(self, *inputs):
-        if not torch.is_grad_enabled():  # eval steps and the schedule's shape pass: nothing to reduce
+        if not torch.is_grad_enabled():  # eval steps, the schedule's shape pass: nothing to reduce
             return self.root(*inputs)
         self.count += 1
         if self.count == 1:

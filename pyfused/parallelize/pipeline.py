@@ -28,7 +28,10 @@ loss when labels are given).
 DP inside a stage: DDP's hooks reduce on the backward of a forward run outside ``no_sync``, but in a
 1F1B step the last forward precedes earlier microbatches' backwards; so every microbatch runs under
 ``no_sync`` and the last one's backward -- the last backward of the step on every stage -- arms the
-reducer as it starts (``_SyncLastBackward``), reducing the accumulated gradients.
+reducer as it starts (``_SyncLastBackward``), reducing the accumulated gradients. With
+``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
+module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
+accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
 """
 from __future__ import annotations
 
@@ -135,7 +138,8 @@ class PipelinedModel:
 
     Built in this order: the chain of units and its cut (decided on the full model, before TP);
     placeholders for what other stages own; TP on what is left; this stage's units, the sequence-
-    parallel region over its blocks, DDP over them (dp > 1), the PipelineStage and the schedule."""
+    parallel region over its blocks, DDP or fully_shard over them (dp > 1), the PipelineStage and
+    the schedule."""
 
     def __init__(self, model: nn.Module, resolved, info, tp, n_microbatches: Optional[int] = None,
                  schedule: str = "1f1b", balance: Optional[str] = "time", split_points=None,
