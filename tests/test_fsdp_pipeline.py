@@ -7,10 +7,12 @@ the dp dim, against the single-process model.
   GPipe with 3 uneven ones: the parameters equal the single-process model's;
 * the memory claim: each dp rank of a stage holds only its rows of that stage's parameters, and
   nothing stays gathered after a step; gradients are reduce-scattered once per step;
-* a split-backward schedule is refused with the same error on every rank.
-
+* a split-backward schedule is refused with the same error on every rank;
 * fsdp x pp x tp on the 3-D (2, 2, 2) mesh at world 8 (its own pool, closed after the test): one
-  step of GPT-2 with sequence parallelism and three training steps of Llama.
+  step of GPT-2 with sequence parallelism and three training steps of Llama;
+* without parallelize: an MLP's ``FullyShardedStage``s under pyfused.pipeline's 1F1B, GPipe and
+  interleaved 1F1B give the single-process gradients; an unwrapped fully_shard stage and a
+  split-backward schedule get the same error on every rank.
 """
 import pytest
 import torch
@@ -184,3 +186,87 @@ def test_split_backward_schedule_same_error_everywhere(ranks):
     # parallelize offers GPipe and 1F1B, whose last microbatch's backward is a stage's last one
     messages = ranks.run(4, _split_backward_schedule, timeout=240)
     assert messages[0] and len(set(messages)) == 1 and "'zbh1'" in messages[0], messages
+
+
+# ---- fully_shard under pyfused.pipeline's schedules directly: FullyShardedStage ----------------
+BLOCK_WIDTHS = (6, 16, 16, 12, 5)  # 5 output rows: uneven shards (3 / 2) at dp=2
+
+
+def _blocks():
+    torch.manual_seed(3)
+    widths = BLOCK_WIDTHS
+    return [torch.nn.Sequential(torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.Tanh())
+            for i in range(len(widths) - 1)]
+
+
+def _direct_stages(mesh, schedule: str, m: int):
+    """This rank's stages of the 4 blocks (4 stages, 2 per rank, for interleaved 1F1B), each a
+    fully_shard root over dp whose later blocks are units of their own; the reference blocks."""
+    import copy
+
+    from pyfused.fsdp import FullyShardedStage, fully_shard
+    from pyfused.pipeline import PipelineStage
+
+    blocks = _blocks()
+    ref = [copy.deepcopy(b) for b in blocks]
+    pp_rank, v = mesh.get_local_rank("pp"), 2 if schedule == "interleaved_1f1b" else 1
+    per_stage = len(blocks) // (2 * v)
+    stages, held = [], []
+    for k in [pp_rank + 2 * j for j in range(v)]:
+        mod = torch.nn.Sequential(*blocks[k * per_stage:(k + 1) * per_stage])
+        for b in list(mod)[1:]:
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(mod, mesh=mesh["dp"])
+        stages.append(PipelineStage(FullyShardedStage(mod, m), k, 2 * v, "cpu",
+                                    group=mesh.get_group("pp")))
+        held += [(i, blocks[i]) for i in range(k * per_stage, (k + 1) * per_stage)]
+    return stages, held, ref
+
+
+def _direct_schedule(rank, world, schedule):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused.pipeline as pl
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    m, rows = 3, 8
+    stages, held, ref = _direct_stages(mesh, schedule, m)
+    cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe,
+           "interleaved_1f1b": pl.ScheduleInterleaved1F1B}[schedule]
+    loss_fn = torch.nn.functional.mse_loss
+    sched = cls(stages if schedule == "interleaved_1f1b" else stages[0], m, loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(rows, BLOCK_WIDTHS[0], generator=g), torch.randn(rows, BLOCK_WIDTHS[-1], generator=g)
+    half = slice(mesh.get_local_rank("dp") * rows // 2, (mesh.get_local_rank("dp") + 1) * rows // 2)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    for _ in range(2):  # without zero_grad: the second step's gradients add to the first's
+        sched.step(*((x[half],) if first else ()), target=y[half] if last else None)
+    loss_fn(torch.nn.Sequential(*ref)(x), y).backward()
+    for i, block in held:
+        for (name, p), q in zip(block.named_parameters(), ref[i].parameters()):
+            assert_close(p.grad.full_tensor(), 2 * q.grad,
+                         name=f"{schedule} block {i} {name} gradient, rank {rank}")
+    # an unwrapped fully_shard stage, or a split backward: the same error on every rank
+    from pyfused.comm import InputError
+    from pyfused.fsdp import FullyShardedStage, fully_shard
+
+    errors = []
+    for wrapped, cls in ((False, pl.Schedule1F1B), (True, pl.ScheduleZBH1)):
+        mod = torch.nn.Sequential(*_blocks()[:2])
+        fully_shard(mod, mesh=mesh["dp"])
+        stage = pl.PipelineStage(FullyShardedStage(mod, 2) if wrapped else mod,
+                                 mesh.get_local_rank("pp"), 2, "cpu", group=mesh.get_group("pp"))
+        try:
+            cls(stage, 2, loss_fn=loss_fn).step(x[:2], target=y[:2])
+        except InputError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])
+def test_fully_shard_under_pipeline_schedules(ranks, schedule):
+    errors = ranks.run(4, _direct_schedule, schedule, timeout=240)
+    assert all(e == errors[0] for e in errors) and len(errors[0]) == 2, errors
+    assert "FullyShardedStage(module, n_microbatches)" in errors[0][0], errors[0]
+    assert "not 'zbh1'" in errors[0][1], errors[0]

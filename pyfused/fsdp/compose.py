@@ -24,6 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from .fully_shard import FSDPModule, fully_shard
 
+# the pyfused.pipeline schedules whose last microbatch's backward is each stage's last backward
+STAGE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
 
 def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
                 root: Optional[nn.Module] = None,
@@ -59,7 +62,9 @@ class _SyncOnBackward(torch.autograd.Function):
 
 class FullyShardedStage(nn.Module):
     """A fully sharded pipeline stage (``root``, an ``FSDPModule``) run in microbatched steps of
-    ``n_microbatches`` (module docstring). ``count`` is reset by the caller at every step."""
+    ``n_microbatches`` by a GPipe, 1F1B or interleaved 1F1B schedule of ``pyfused.pipeline``
+    (module docstring): pass it as the ``PipelineStage``'s module. ``begin_step`` (called by the
+    stage at every step) resets the microbatch count."""
 
     def __init__(self, root: nn.Module, n_microbatches: int):
         super().__init__()
@@ -67,6 +72,9 @@ class FullyShardedStage(nn.Module):
             raise TypeError("FullyShardedStage needs a fully_shard-ed module")
         self.root = root
         self.n_microbatches = n_microbatches
+        self.count = 0
+
+    def begin_step(self) -> None:
         self.count = 0
 
     def forward(self, *inputs):
@@ -82,6 +90,27 @@ class FullyShardedStage(nn.Module):
             else:  # no backward will reach this stage's units: nothing to accumulate or reduce
                 self.root.set_requires_gradient_sync(True)
         return out
+
+
+def pipeline_problem(module: nn.Module, schedule: str, n_microbatches: int) -> Optional[str]:
+    """Why a ``pyfused.pipeline`` schedule cannot run the stage module ``module`` that holds
+    fully_shard units, or None. Unwrapped units would sync on every microbatch's backward, and
+    the root of the first stage (token-id inputs) would miss the gradients of all but one."""
+    if isinstance(module, FullyShardedStage):
+        if schedule not in STAGE_SCHEDULES:
+            return (f"a FullyShardedStage runs under the schedules {STAGE_SCHEDULES}, not "
+                    f"{schedule!r}: with a split backward its last microbatch's input-gradient "
+                    f"part B is not the stage's last backward (the weight-gradient parts W follow)")
+        if module.n_microbatches != n_microbatches:
+            return (f"the FullyShardedStage counts {module.n_microbatches} microbatches per step "
+                    f"but the schedule runs {n_microbatches}")
+        return None
+    if n_microbatches > 1:
+        return ("the stage's module holds fully_shard units: pass "
+                "pyfused.fsdp.FullyShardedStage(module, n_microbatches) as the stage's module, so "
+                "that its gradients accumulate over the microbatches and are reduce-scattered "
+                "once per step")
+    return None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
