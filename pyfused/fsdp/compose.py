@@ -95,7 +95,8 @@ class FullyShardedStage(nn.Module):
 def pipeline_problem(module: nn.Module, schedule: str, n_microbatches: int) -> Optional[str]:
     """Why a ``pyfused.pipeline`` schedule cannot run the stage module ``module`` that holds
     fully_shard units, or None. Unwrapped units would sync on every microbatch's backward, and
-    the root of the first stage (token-id inputs) would miss the gradients of all but one."""
+    the root of the first stage (inputs without gradient, so only the end of a backward reduces
+    it) would leave some microbatches' gradients unreduced."""
     if isinstance(module, FullyShardedStage):
         if schedule not in STAGE_SCHEDULES:
             return (f"a FullyShardedStage runs under the schedules {STAGE_SCHEDULES}, not "
