@@ -6,7 +6,8 @@ the dp dim, against the single-process model.
 * three AdamW steps with clipping on a 3-D (dp=2, pp=2, tp=1) mesh, 1F1B with 2 microbatches and
   GPipe with 3 uneven ones: the parameters equal the single-process model's;
 * the memory claim: each dp rank of a stage holds only its rows of that stage's parameters, and
-  nothing stays gathered after a step; gradients are reduce-scattered once per step;
+  nothing stays gathered after a step; gradients are reduce-scattered once per step; the full
+  state dict loads into the shards;
 * a split-backward schedule is refused with the same error on every rank;
 * fsdp x pp x tp on the 3-D (2, 2, 2) mesh at world 8 (its own pool, closed after the test): one
   step of GPT-2 with sequence parallelism and three training steps of Llama;
@@ -143,6 +144,13 @@ def _shards_and_syncs_once(rank, world):
     assert [g.gathers - n for g, n in zip(groups, gathers)] == [1] * len(groups)
     assert all(g.gathered_bytes() == 0 for g in groups), "parameters left gathered after the step"
     assert all(isinstance(p.grad, DTensor) for p in stage.submodule.parameters())
+    # the original model's state dict loads into the shards (each rank copies its rows) and back
+    other = build("llama", seed=1).state_dict()
+    pm.load_full_state_dict(other)
+    assert all(isinstance(p, DTensor) for p in stage.submodule.parameters())
+    loaded = pm.full_state_dict()
+    assert list(loaded) == list(other)
+    assert all(torch.equal(loaded[k], v) for k, v in other.items())
     return True
 
 
