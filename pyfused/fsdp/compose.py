@@ -11,8 +11,8 @@ A pipeline step (``FullyShardedStage``) accumulates over its microbatches, as to
 stage is gathered once and stays gathered (no per-microbatch re-gather, like FSDP2's
 ``reshard_after_forward=False`` that torch recommends with PP) and every backward adds to the
 unsharded gradients; the last microbatch's backward -- the step's last backward on every stage of
-a GPipe or 1F1B schedule -- turns sync on as it starts, so each unit reduce-scatters the step's
-sum once, overlapped with the rest of that backward, and reshards.
+a GPipe, 1F1B or interleaved 1F1B schedule -- turns sync on as it starts, so each unit
+reduce-scatters the step's sum once, overlapped with the rest of that backward, and reshards.
 """
 from __future__ import annotations
 
