@@ -2,12 +2,13 @@
 
 A tiny Llama (vocabulary 101: padded on every TP size; 2 KV heads: replicated at tp=4) is trained
 for two steps with AdamW at (dp=2, tp=2) and saved; the run goes on for two more steps. The
-checkpoint is then loaded into a model built from a different seed at tp=4, pp=2 x tp=2, dp=4 and
-into the plain single-process model: the loaded parameters must equal the saved ones bit for bit,
-and the next two steps (the first tests the parameters, the second the optimizer state) must give
-the saving run's losses. The same checkpoint loads into pyfused's DistributedDataParallel with a
+checkpoint is then loaded into a model built from a different seed at tp=4, pp=2 x tp=2, dp=4,
+fully sharded (dp=4, dp=2 x tp=2, dp=2 x pp=2) and into the plain single-process model: the
+loaded parameters must equal the saved ones bit for bit, and the next two steps (the first tests
+the parameters, the second the optimizer state) must give the saving run's losses. The same checkpoint loads into pyfused's DistributedDataParallel with a
 ZeRO-sharded optimizer over 4 ranks (its optimizer state: flat ranges of each parameter, cut across
-rows), which saves it again; that checkpoint loads into the plain model with the same losses.
+rows), which saves it again; that checkpoint loads into the plain model with the same losses. A
+GPT-2 saved fully sharded at dp=2 x pp=2 loads back on that mesh and into the plain model.
 """
 import pytest
 import torch
@@ -105,7 +106,8 @@ def saved(ranks, tmp_path_factory):
     ((4,), ("dp",), {}),
     ((4,), ("dp",), {"dp": "fsdp"}),
     ((2, 2), ("dp", "tp"), {"dp": "fsdp"}),
-], ids=["tp4", "pp2xtp2", "dp4", "fsdp-dp4", "fsdp-dp2xtp2"])
+    ((2, 2), ("dp", "pp"), {"dp": "fsdp", "n_microbatches": 2, "split_points": [2]}),
+], ids=["tp4", "pp2xtp2", "dp4", "fsdp-dp4", "fsdp-dp2xtp2", "fsdp-dp2xpp2"])
 def test_load_on_another_mesh(ranks, saved, shape, names, options):
     path, full, losses = saved
     assert all(ranks.run(4, _load, path, shape, names, options, full, losses, timeout=240))
@@ -214,3 +216,32 @@ def test_gpt2_fused_qkv_and_tied_head(ranks, tmp_path):
     full, losses = ranks.run(4, _gpt2_round_trip, path, timeout=240)[0]
     assert_close(torch.tensor(_plain_losses(path, full, "gpt2")), torch.tensor(losses),
                  name="gpt2 losses after loading, plain model")
+
+
+def _fsdp_pipeline_round_trip(rank, world, path):
+    """GPT-2 saved at fsdp dp=2 x pp=2 (each stage's DTensor shards over its dp group; the tied
+    head on the last stage) and loaded into the same mesh from another seed."""
+    from pyfused.parallelize import checkpoint
+
+    options = {"dp": "fsdp", "n_microbatches": 2}
+    pm, opt = _parallel((2, 2), ("dp", "pp"), seed=0, options=options, family="gpt2")
+    _train(pm, opt, 1, SAVED_AT)
+    checkpoint.save(path, pm, opt, extra={"step": SAVED_AT})
+    saved = pm.full_state_dict()
+    losses = _train(pm, opt, SAVED_AT + 1, SAVED_AT + AFTER)
+
+    pm, opt = _parallel((2, 2), ("dp", "pp"), seed=1, options=options, family="gpt2")
+    checkpoint.load(path, pm, opt)
+    full = pm.full_state_dict()
+    for k, v in saved.items():
+        assert torch.equal(full[k], v), f"gpt2 {k} after loading at fsdp dp=2 x pp=2, rank {rank}"
+    got = _train(pm, opt, SAVED_AT + 1, SAVED_AT + AFTER)
+    assert_close(torch.tensor(got), torch.tensor(losses), name=f"gpt2 fsdp x pp losses, rank {rank}")
+    return saved if rank == 0 else None, losses
+
+
+def test_fsdp_pipeline_saves_and_loads(ranks, tmp_path):
+    path = str(tmp_path / "fsdp_pp")
+    full, losses = ranks.run(4, _fsdp_pipeline_round_trip, path, timeout=240)[0]
+    assert_close(torch.tensor(_plain_losses(path, full, "gpt2")), torch.tensor(losses),
+                 name="gpt2 losses after loading the fsdp x pp checkpoint, plain model")

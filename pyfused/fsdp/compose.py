@@ -1,31 +1,117 @@
 """``parallelize(model, mesh, dp="fsdp")``: fully_shard on the mesh's dp dim after tensor parallelism.
 
-Each transformer block becomes a unit, then the whole model (embeddings, final norm, LM head).
-Parameters are then DTensors over the dp dim holding rows of the TP-local tensors; the helpers
-below let the parallel model's state-dict and gradient-norm code read and write them.
+Each transformer block becomes a unit, then the root: the whole model (embeddings, final norm, LM
+head) or, with pipeline parallelism, this rank's stage module (its blocks' units and the embedding
+or head it owns). Parameters are then DTensors over the dp dim holding rows of the TP-local
+tensors; the helpers below let the parallel model's state-dict and gradient-norm code read and
+write them.
+
+A pipeline step (``FullyShardedStage``) accumulates over its microbatches, as torch FSDP2 under
+``torch.distributed.pipelining`` does: gradient sync is off from the step's first forward, so the
+stage is gathered once and stays gathered (no per-microbatch re-gather, like FSDP2's
+``reshard_after_forward=False`` that torch recommends with PP) and every backward adds to the
+unsharded gradients; the last microbatch's backward -- the step's last backward on every stage of
+a GPipe, 1F1B or interleaved 1F1B schedule -- turns sync on as it starts, so each unit
+reduce-scatters the step's sum once, overlapped with the rest of that backward, and reshards.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .fully_shard import fully_shard
+from .fully_shard import FSDPModule, fully_shard
+
+# the pyfused.pipeline schedules whose last microbatch's backward is each stage's last backward
+STAGE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs) -> None:
-    """Shard ``model`` over ``dp_mesh`` (blocks of ``model.<block_list>`` first, then the root);
-    ``specs`` (id(parameter) -> tensor-parallel spec) follows the parameters to their shards."""
+def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
+                root: Optional[nn.Module] = None,
+                blocks: Optional[Iterable[nn.Module]] = None) -> None:
+    """Shard over ``dp_mesh`` the blocks (``model.<block_list>``, or ``blocks``), then ``root``
+    (default: ``model``); ``specs`` (id(parameter) -> tensor-parallel spec) follows the parameters
+    to their shards, found again by their keys in ``model.state_dict()``."""
     by_name = {k: specs[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in specs}
-    if block_list is not None:
-        for block in model.get_submodule(block_list):
-            fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+    if blocks is None:
+        blocks = model.get_submodule(block_list) if block_list is not None else ()
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model if root is None else root, mesh=dp_mesh)
     for k, t in model.state_dict(keep_vars=True).items():
         if k in by_name:
             specs[id(t)] = by_name[k]
+
+
+class _SyncOnBackward(torch.autograd.Function):
+    """Identity on the last microbatch's output; its backward, the first step of the step's last
+    backward on this stage, turns gradient sync on for the stage's units."""
+
+    @staticmethod
+    def forward(ctx, x, root):
+        ctx.root = root
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.root.set_requires_gradient_sync(True)
+        return g, None
+
+
+class FullyShardedStage(nn.Module):
+    """A fully sharded pipeline stage (``root``, an ``FSDPModule``) run in microbatched steps of
+    ``n_microbatches`` by a GPipe, 1F1B or interleaved 1F1B schedule of ``pyfused.pipeline``
+    (module docstring): pass it as the ``PipelineStage``'s module. ``begin_step`` (called by the
+    stage at every step) resets the microbatch count."""
+
+    def __init__(self, root: nn.Module, n_microbatches: int):
+        super().__init__()
+        if not isinstance(root, FSDPModule):
+            raise TypeError("FullyShardedStage needs a fully_shard-ed module")
+        self.root = root
+        self.n_microbatches = n_microbatches
+        self.count = 0
+
+    def begin_step(self) -> None:
+        self.count = 0
+
+    def forward(self, *inputs):
+        if not torch.is_grad_enabled():  # eval steps, the schedule's shape pass: nothing to reduce
+            return self.root(*inputs)
+        self.count += 1
+        if self.count == 1:
+            self.root.set_requires_gradient_sync(False)
+        out = self.root(*inputs)
+        if self.count == self.n_microbatches:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out = _SyncOnBackward.apply(out, self.root)
+            else:  # no backward will reach this stage's units: nothing to accumulate or reduce
+                self.root.set_requires_gradient_sync(True)
+        return out
+
+
+def pipeline_problem(module: nn.Module, schedule: str, n_microbatches: int) -> Optional[str]:
+    """Why a ``pyfused.pipeline`` schedule cannot run the stage module ``module`` that holds
+    fully_shard units, or None. Unwrapped units would sync on every microbatch's backward, and
+    the root of the first stage (inputs without gradient, so only the end of a backward reduces
+    it) would leave some microbatches' gradients unreduced."""
+    if isinstance(module, FullyShardedStage):
+        if schedule not in STAGE_SCHEDULES:
+            return (f"a FullyShardedStage runs under the schedules {STAGE_SCHEDULES}, not "
+                    f"{schedule!r}: with a split backward its last microbatch's input-gradient "
+                    f"part B is not the stage's last backward (the weight-gradient parts W follow)")
+        if module.n_microbatches != n_microbatches:
+            return (f"the FullyShardedStage counts {module.n_microbatches} microbatches per step "
+                    f"but the schedule runs {n_microbatches}")
+        return None
+    if n_microbatches > 1:
+        return ("the stage's module holds fully_shard units: pass "
+                "pyfused.fsdp.FullyShardedStage(module, n_microbatches) as the stage's module, so "
+                "that its gradients accumulate over the microbatches and are reduce-scattered "
+                "once per step")
+    return None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

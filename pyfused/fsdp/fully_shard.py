@@ -26,7 +26,10 @@ Schedule (hooks; the unit whose forward runs first is the root, which owns the i
 
 Gradient accumulation: ``set_requires_gradient_sync(False)`` (or ``with no_sync(model)``) keeps
 the gathered parameters and accumulates unsharded gradients across micro-steps -- nothing is
-resharded or reduced -- and the next synchronising backward reduce-scatters their sum once.
+resharded or reduced -- and the next synchronising backward reduce-scatters their sum once. A
+unit's forward and backward calls are counted from the end of its last synchronising backward, so
+the micro-steps' forwards and backwards may interleave (a pipeline schedule's 1F1B): the
+synchronising backward reduces a unit when its backward calls have caught up with all of them.
 """
 from __future__ import annotations
 
@@ -101,23 +104,28 @@ class Tree:
         for u in self.units:
             if u.group.state != SHARDED and u.group.state != UNSHARDED:
                 u.group.finish_gather()  # a prefetch this forward may not use
-            u.forward_calls = u.backward_calls = 0
+            if u.sync:  # a unit accumulating gradients keeps counting until its sync backward
+                u.forward_calls = u.backward_calls = 0
         if self.order:
             self.last_order = self.order
         self.order, self.post_order = [], []
 
     def end_backward(self) -> None:
+        """After a backward: a synchronising one reduces the units whose post-backward did not
+        run (inputs without gradient) and closes their accumulation window; an accumulating one
+        leaves the counts alone, so that the window's forwards are all matched at its sync."""
         self.callback_queued = False
         for u in reversed(self.order):
-            if u.backward_calls < u.forward_calls:
+            if u.sync and u.backward_calls < u.forward_calls:
                 u.post_backward(final=True)
         for u, handle in self.pending:
             u.group.finish_reduce(handle)
         self.pending = []
         for u in self.units:
-            if u.sync and u.reshard_after_backward:
-                u.group.reshard()
-            u.forward_calls = u.backward_calls = 0
+            if u.sync:
+                if u.reshard_after_backward:
+                    u.group.reshard()
+                u.forward_calls = u.backward_calls = 0
 
 
 class _PostBackward(torch.autograd.Function):

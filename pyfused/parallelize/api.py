@@ -8,8 +8,9 @@ Order of work (every rank runs the same steps on the same full model):
      and any rank's problem is raised on every rank with the same message -- before any other
      collective;
   3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
-  4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp`` with
-     pyfused's DistributedDataParallel.
+  4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp``: pyfused's
+     DistributedDataParallel (``dp="ddp"``) or ``fully_shard`` (``dp="fsdp"``), of the whole model
+     or, with pp > 1, of this rank's pipeline stage.
 
 The returned ``ParallelModel`` is called like the original model and returns what it returns;
 ``full_state_dict()`` / ``load_full_state_dict()`` translate to and from the original model's state.
@@ -156,7 +157,9 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     now and once the first call has recorded the op methods chosen.
     ``pipeline_options``: for pp > 1, see pyfused/parallelize/pipeline.py.
     ``dp``: "ddp" (pyfused's DistributedDataParallel) or "fsdp" (``pyfused.fully_shard`` on the dp
-    dim: each block a unit, then the model; docs/FSDP.md). "fsdp" does not combine with pp > 1.
+    dim: each block a unit, then the model -- with pp > 1 this rank's stage module, whose units
+    stay gathered through a step's microbatches and reduce-scatter once, on its last backward;
+    docs/FSDP.md).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
@@ -177,8 +180,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         from . import pipeline as pp_mod
 
         problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
-    if problem is None and (dp not in ("ddp", "fsdp") or dp == "fsdp" and info.size["pp"] > 1):
-        problem = f"dp must be 'ddp' or 'fsdp' ('fsdp' without pp > 1), got {dp!r}"
+    if problem is None and dp not in ("ddp", "fsdp"):
+        problem = f"dp must be 'ddp' or 'fsdp', got {dp!r}"
     if problem is None and info.size["pp"] == 1 and pipeline_options:
         problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
     _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem, model,
@@ -191,10 +194,10 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     if pipelined:
         from . import pipeline as pp_mod
 
-        stage = pp_mod.PipelinedModel(model, resolved, info, tp, **pipeline_options)
+        stage = pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, **pipeline_options)
     elif info.size["tp"] > 1:
         tp.apply(model, resolved)
-    if dp == "fsdp" and info.size["dp"] > 1:
+    if dp == "fsdp" and info.size["dp"] > 1 and not pipelined:  # pipelined: each stage, above
         from ..fsdp.compose import shard_model
 
         shard_model(model, resolved.blocks[0] if resolved.blocks else None, info.mesh["dp"],

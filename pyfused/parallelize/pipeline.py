@@ -28,7 +28,10 @@ loss when labels are given).
 DP inside a stage: DDP's hooks reduce on the backward of a forward run outside ``no_sync``, but in a
 1F1B step the last forward precedes earlier microbatches' backwards; so every microbatch runs under
 ``no_sync`` and the last one's backward -- the last backward of the step on every stage -- arms the
-reducer as it starts (``_SyncLastBackward``), reducing the accumulated gradients.
+reducer as it starts (``_SyncLastBackward``), reducing the accumulated gradients. With
+``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
+module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
+accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
 """
 from __future__ import annotations
 
@@ -77,6 +80,23 @@ def _return_type(model: nn.Module):
     return CausalLMOutputWithPast
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a parameter or gradient (a fully_shard DTensor's local rows)."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor of the same layout for a fully_shard one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 class _SyncLastBackward(torch.autograd.Function):
     """Identity whose backward arms DDP's reducer: the gradients accumulated by the earlier
     microbatches (run under ``no_sync``) and this one are then reduced as this backward finishes."""
@@ -118,11 +138,12 @@ class PipelinedModel:
 
     Built in this order: the chain of units and its cut (decided on the full model, before TP);
     placeholders for what other stages own; TP on what is left; this stage's units, the sequence-
-    parallel region over its blocks, DDP over them (dp > 1), the PipelineStage and the schedule."""
+    parallel region over its blocks, DDP or fully_shard over them (dp > 1), the PipelineStage and
+    the schedule."""
 
     def __init__(self, model: nn.Module, resolved, info, tp, n_microbatches: Optional[int] = None,
                  schedule: str = "1f1b", balance: Optional[str] = "time", split_points=None,
-                 example_input_ids: Optional[torch.Tensor] = None):
+                 example_input_ids: Optional[torch.Tensor] = None, data_parallel: str = "ddp"):
         from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.pp, self.stage_index, self.pg = info.size["pp"], info.coord["pp"], info.group["pp"]
@@ -153,8 +174,15 @@ class PipelinedModel:
         tp.install_sequence_region([self.parts.blocks[i] for i in blocks_here])
         self.submodule = self._stage_module(n)
 
-        self.ddp, runner = None, self.submodule
-        if info.size["dp"] > 1:
+        self.ddp, runner, self.dp_shards = None, self.submodule, None
+        if info.size["dp"] > 1 and data_parallel == "fsdp":
+            self.dp_shards = (info.size["dp"], info.coord["dp"])  # (world, rank) of the dp shards
+            from ..fsdp.compose import FullyShardedStage, shard_model
+
+            shard_model(model, None, info.mesh["dp"], tp.param_specs, root=self.submodule,
+                        blocks=[self.parts.blocks[i] for i in blocks_here])
+            runner = FullyShardedStage(self.submodule, self.n_microbatches)
+        elif info.size["dp"] > 1:
             from ..layers import DistributedDataParallel
 
             self.ddp = DistributedDataParallel(self.submodule, process_group=info.group["dp"])
@@ -259,7 +287,7 @@ class PipelinedModel:
         train = self.top.training and torch.is_grad_enabled() and labels is not None
         if labels is not None:
             self.num_items = (labels[..., 1:] != -100).sum()
-        if isinstance(self.runner, _DataParallelStage):
+        if hasattr(self.runner, "count"):  # DDP or FSDP: microbatches counted per step
             self.runner.count = 0
         losses: list = []
         if train:
@@ -281,14 +309,19 @@ class PipelinedModel:
         emb, head = self.tied
         name = emb if self.is_first else head if self.is_last else None
         w = self.top.get_submodule(name).weight if name else None
-        if w is not None:
-            g = w.grad if w.grad is not None else torch.zeros_like(w)
-        else:  # a middle stage: the tensor the two ends sum, [V/tp, h]
+        if w is not None:  # under FSDP the two ends hold the same dp rows: their local pieces add
+            g = _local(w.grad) if w.grad is not None else torch.zeros_like(_local(w))
+        else:  # a middle stage: the tensor the two ends sum, [V/tp, h] (its dp rows under FSDP)
             v, h = self.full_key_shapes[f"{emb}.weight"]
-            g = torch.zeros((v // self.tp.world, h), device=self.device)
+            rows = v // self.tp.world
+            if self.dp_shards is not None:
+                world, rank = self.dp_shards
+                chunk = -(-rows // world)
+                rows = max(0, min(chunk, rows - rank * chunk))
+            g = torch.zeros((rows, h), device=self.device)
         dist.all_reduce(g, group=self.pg)
-        if w is not None:
-            w.grad = g
+        if w is not None and w.grad is None:
+            w.grad = _like(w, g)
 
     def duplicate_params(self) -> set:
         """ids of this stage's parameters that another stage owns as well: the tied LM head on the

@@ -83,6 +83,12 @@ class _PipelineSchedule:
             self._error = f"n_microbatches must be a positive int, got {n_microbatches!r}"
         if self._error is None and loss_fn is not None and not callable(loss_fn):
             self._error = "loss_fn must be callable"
+        if self._error is None and any(hasattr(m, "_pyfused_fsdp") for s in self._stages
+                                       for m in s.submod.modules()):
+            from ..fsdp.compose import pipeline_problem
+
+            self._error = next(filter(None, (pipeline_problem(s.submod, self._schedule, n_microbatches)
+                                             for s in self._stages)), None)
         self._p = comm.world_size(self._pg)
         self._rank = comm.rank(self._pg)
         self._transport = Transport(self._pg, self._device)

@@ -263,3 +263,6 @@ class PipelineStage:
         self._state.clear()
         self.output_chunks = []
         self.losses = []
+        begin = getattr(self.submod, "begin_step", None)
+        if callable(begin):  # a module that counts its microbatches (pyfused.fsdp.FullyShardedStage)
+            begin()
