@@ -7,7 +7,7 @@ requires_grad, and whether grad mode is on) finds that plan with ``lookup`` and 
 signature, no exchange, no method choice.
 
 ``lookup(op_code, group, method, *arguments)`` is one C++ call where ``pyfused._C`` is built
-(csrc/plan_cache.cpp), so that a repeated call costs about a microsecond of host time; without
+(csrc/plan_cache.cpp), so that a repeated call costs 1-2 microseconds of host time; without
 ``_C`` the same lookup is written in Python (a tuple key and a dictionary: a few microseconds).
 Callers skip it under torch.compile: Dynamo cannot trace a C function.
 ``group=None`` is resolved to the default group at every lookup, so a re-initialised default group
