@@ -19,7 +19,9 @@ ratio (``overhead_x``, 1.00 = no overhead); and the median sample (``median_us``
 thread is pinned to its own core while the suite runs (``_pinned_to_own_core``). Validation runs in the mode the
 process has (``--no-validate`` sets "off"); the first call of every variant is untimed, so mode
 "first" is measured in its steady state, where a call is found in the plan cache (``plan_cache``
-names its implementation: C++ where pyfused._C is built).
+names its implementation: C++ where pyfused._C is built). One more row per shape,
+``unfused, validate=always``, times ``unfused`` and plain torch again with the cross-rank check run
+on every call: what the check costs where mode "first" skips it.
 
 On a GPU the timed calls also wait for their kernels, so host overhead hides behind GPU time there;
 ``host_us`` is then measured apart: the host's time per call while a sleep kernel queued first
@@ -46,6 +48,7 @@ from pyfused.ops.registry import OPS
 
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
+CHECKED = "unfused, validate=always"  # the row of the check's own cost
 EPS = 1e-6
 # Per-rank (rows, K, N) of the GEMM ops and (rows, hidden) of all_reduce_add_rmsnorm.
 GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
@@ -179,11 +182,21 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     us = _time_per_call(variants, ctx, pg, samples, calls)
     host = (_host_us_per_call(variants, pg, samples, calls) if ctx.device.type == "cuda"
             else {name: best for name, (best, _) in us.items()})
+    checked = _checked_every_call(variants, ctx, pg, samples, calls)
     transport = ctx.transport if world > 1 else "none"
     rows = []
-    for method in ("torch", *METHODS):
+    for method in ("torch", *METHODS, CHECKED):
         common = dict(shape=label, dtype=dtype, transport=transport, op=op, world_size=world,
-                      validate=comm.validation_mode(), plan_cache=plans.IMPLEMENTATION)
+                      validate="always" if method == CHECKED else comm.validation_mode(),
+                      plan_cache=plans.IMPLEMENTATION)
+        if method == CHECKED:
+            (best, median), (torch_best, torch_median) = checked["unfused"], checked["torch"]
+            rows.append(op_row(ctx, method=method, ms=best / 1e3, us_per_call=best,
+                               torch_us=torch_best, overhead_x=best / torch_best, median_us=median,
+                               median_x=median / torch_median, host_us=best,
+                               host_over_torch_us=best - torch_best,
+                               note="every call exchanges and checks signatures", **common))
+            continue
         if method in unavailable:
             rows.append(op_row(ctx, method=method, ms=None, status="unavailable",
                                note=f"unavailable: {unavailable[method]}", **common))
@@ -195,6 +208,19 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
                            host_over_torch_us=host[method] - host["torch"],
                            note="plain torch" if method == "torch" else "", **common))
     return rows
+
+
+def _checked_every_call(variants: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
+                        samples: int, calls: int) -> Dict[str, Tuple[float, float]]:
+    """Plain torch and ``unfused`` again, round-robin, in validation mode "always": what the
+    cross-rank check costs when it runs on every call (mode "first" runs it once per signature)."""
+    mode = comm.validation_mode()
+    comm.set_validation("always")  # this process only: every rank of ``pg`` runs this alike
+    try:
+        return _time_per_call({name: variants[name] for name in ("torch", "unfused")}, ctx, pg,
+                              samples, calls)
+    finally:
+        comm.set_validation(mode)
 
 
 def _rows_at(ctx: BenchContext, pg) -> List[dict]:

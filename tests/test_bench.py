@@ -162,7 +162,8 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
     rows = json.loads((out / "overhead.json").read_text())
     seen = {(row["op"], row["world_size"], row["method"]) for row in rows}
     assert seen == {(op, w, m) for op in OPS for w in (1, 2)
-                    for m in ("torch", "unfused", "decomposed", "fused", "auto")}
+                    for m in ("torch", "unfused", "decomposed", "fused", "auto",
+                              "unfused, validate=always")}
     for row in rows:
         if row["method"] == "fused":
             assert row["status"] == "unavailable" and row["time_ms"] is None
@@ -172,6 +173,7 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
         assert row["median_us"] >= row["us_per_call"]  # the best sample is at most the median
         assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
         assert row["plan_cache"] == plans.IMPLEMENTATION
+        assert row["validate"] == ("always" if row["method"].endswith("always") else "first")
         assert row["host_us"] == row["us_per_call"]  # on CPU the host time is the time
         assert row["host_over_torch_us"] == pytest.approx(row["us_per_call"] - row["torch_us"])
 
