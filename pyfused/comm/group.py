@@ -78,6 +78,8 @@ def group_from_name(name: str) -> Optional[dist.ProcessGroup]:
 
 
 def world_size(pg: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(pg, dist.ProcessGroup):  # a member's group: its size, without get_world_size's checks
+        return pg.size()
     if isinstance(pg, InProcessRank):
         return pg.world
     return 1 if pg is None else dist.get_world_size(pg)
