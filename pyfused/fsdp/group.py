@@ -77,6 +77,7 @@ class ShardedParam:
         local = full.detach()[lo:lo + self.local_rows].clone().contiguous()
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=full.requires_grad)
         self.compute_dtype = compute_dtype
+        self.leaf_nbytes = math.prod(self.shape) * compute_dtype.itemsize
         self.leaf: Optional[nn.Parameter] = None
         # gradient hooks registered on the original parameter (tensor parallelism's sums over the
         # TP group) run on the gathered leaf, where backward produces the gradient
@@ -89,10 +90,6 @@ class ShardedParam:
     @property
     def local(self) -> Tensor:
         return self.sharded._local_tensor
-
-    @property
-    def leaf_nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.compute_dtype).element_size()
 
     def alloc_leaf(self) -> nn.Parameter:
         if self.leaf is None:
@@ -112,16 +109,22 @@ class ShardedParam:
     def rank_rows(self, r: int) -> int:
         return max(0, min(self.chunk, self.rows - r * self.chunk))
 
-    def scatter_rows(self, dst: Tensor, src: Tensor) -> None:
+    def scatter_rows(self, dst: Tensor, src: Tensor, scale: Optional[float] = None) -> None:
         """``dst`` ``[world, chunk, *rest]`` (padded layout) <-> ``src`` ``[rows, *rest]``:
-        dst[r, :n_r] = src[r*chunk : r*chunk + n_r]."""
+        dst[r, :n_r] = src[r*chunk : r*chunk + n_r], times ``scale`` if given (in the same pass)."""
+        def put(d: Tensor, s: Tensor) -> None:
+            if scale is None:
+                d.copy_(s)
+            else:
+                torch.mul(s, scale, out=d)
+
         if self.rows == self.chunk * self.world:
-            dst.copy_(src.view(dst.shape))
+            put(dst, src.view(dst.shape))
             return
         for r in range(self.world):
             n = self.rank_rows(r)
             if n:
-                dst[r, :n].copy_(src[r * self.chunk:r * self.chunk + n])
+                put(dst[r, :n], src[r * self.chunk:r * self.chunk + n])
 
     def gather_rows(self, dst: Tensor, src: Tensor) -> None:
         """The inverse: ``dst`` ``[rows, *rest]`` <- ``src`` ``[world, chunk, *rest]``."""
@@ -157,6 +160,7 @@ class ParamGroup:
             self.grad_offsets.append(off)
             off += params[i].padded
         self.grad_numel = off
+        self.leaf_nbytes = sum(p.leaf_nbytes for p in params)
         self.state = SHARDED
         self._gather: Optional[tuple] = None
         self.gathers = 0  # all-gathers launched (tests: resharded units are gathered again)
@@ -221,7 +225,8 @@ class ParamGroup:
         self.state = SHARDED
 
     def gathered_bytes(self) -> int:
-        return sum(p.leaf.untyped_storage().nbytes() for p in self.params if p.leaf is not None)
+        """Bytes of gathered leaves held: all of them while unsharded, none otherwise."""
+        return self.leaf_nbytes if self.state == UNSHARDED else 0
 
     # ---- reduce --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -234,8 +239,9 @@ class ParamGroup:
         flags = torch.zeros(self.world, len(self.trainable), dtype=self.reduce_dtype,
                             device=self.device)
         scale = 1.0 / self.world
-        # scale in the wider of the two dtypes: before a narrowing cast, else once over the buffer
-        narrowing = buf.element_size() < torch.empty(0, dtype=self.compute_dtype).element_size()
+        # scale in the wider of the two dtypes: in the copy into the buffer (before a narrowing
+        # cast, or in the same dtype), else once over the widened buffer
+        in_copy = self.reduce_dtype.itemsize <= self.compute_dtype.itemsize
         for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
             p = self.params[i]
             g = p.leaf.grad if p.leaf is not None else None
@@ -243,14 +249,12 @@ class ParamGroup:
             if g is None:
                 region.zero_()
                 continue
-            if narrowing:
-                g = g * scale
             if p.rows != p.chunk * self.world:
                 region.zero_()  # the padding rows
-            p.scatter_rows(region, g)
+            p.scatter_rows(region, g, scale if in_copy else None)
             flags[:, j] = 1.0
             p.leaf.grad = None
-        if not narrowing:
+        if not in_copy:
             buf.mul_(scale)
         if self.world == 1:
             return (None, buf.view(-1), flags.view(-1))
