@@ -87,6 +87,11 @@ class ShardedParam:
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=self.shape,
                                   stride=self.stride)
 
+    def grad_dtensor(self, local: Tensor) -> DTensor:
+        """``local`` (this rank's gradient rows, the shard's dtype) as a DTensor of the shard's
+        layout: the shard's own spec, without ``from_local``'s autograd function (~40 us each)."""
+        return DTensor(local, self.sharded._spec, requires_grad=False)
+
     @property
     def local(self) -> Tensor:
         return self.sharded._local_tensor
@@ -285,6 +290,6 @@ class ParamGroup:
             g = out[off:off + p.local_rows * p.row_numel].view(p.local_rows, *p.rest)
             g = g.to(p.local.dtype)  # a view of ``out`` (1/world of the unit) when dtypes match
             if p.sharded.grad is None:
-                p.sharded.grad = p.as_dtensor(g)
+                p.sharded.grad = p.grad_dtensor(g)
             else:
                 p.sharded.grad._local_tensor.add_(g)
