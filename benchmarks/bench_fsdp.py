@@ -13,7 +13,7 @@ Rows (``method``):
                   for forward, again for backward (the root's once) and its reduce-scatter, launched
                   in that order one at a time and waited (no compute)
 Times: the four are timed round-robin (``interleaved_samples``), at least ``MIN_SAMPLES`` steps
-each outside ``--quick``. ``time_ms`` is the best sample, as ``timeit`` reports: on a machine shared
+each outside ``--quick`` (``samples``). ``time_ms`` is the best sample, as ``timeit`` reports: on a machine shared
 with other jobs, interference only ever adds time, so the fastest step is the closest estimate of
 a step's own cost; ``median_ms`` is the median sample, whose distance from the best shows how much
 the machine's noise moved the run.
@@ -209,15 +209,15 @@ def run(ctx) -> List[Dict]:
     if abs(got - want) > 1e-4 * abs(want):
         raise RuntimeError(f"bench_fsdp: after one step pyfused's loss is {got}, torch FSDP2's "
                            f"{want}; not timing a wrong result")
-    samples = interleaved_samples(timers, ctx,
-                                  iters=ctx.iters if ctx.quick else max(ctx.iters, MIN_SAMPLES))
+    n = ctx.iters if ctx.quick else max(ctx.iters, MIN_SAMPLES)
+    samples = interleaved_samples(timers, ctx, iters=n)
     t = {name: min(s) for name, s in samples.items()}
     med = {name: statistics.median(s) for name, s in samples.items()}
     rows = [op_row(ctx, shape=shape.label, dtype=torch.float32, method="compute alone",
-                   transport="none", ms=t["compute alone"], median_ms=med["compute alone"],
+                   transport="none", ms=t["compute alone"], median_ms=med["compute alone"], samples=n,
                    note="one process, local batch, unsharded, no communication"),
             op_row(ctx, shape=shape.label, dtype=torch.float32, method="comm alone",
-                   transport=ctx.transport, ms=t["comm alone"], median_ms=med["comm alone"],
+                   transport=ctx.transport, ms=t["comm alone"], median_ms=med["comm alone"], samples=n,
                    note=f"{len(live[1][0].blocks) * 3 + 2} collectives of one step, serial")]
     for name in ("torch-fsdp2", "pyfused"):
         hidden = (t["compute alone"] + t["comm alone"] - t[name]) / t["comm alone"]
@@ -225,6 +225,7 @@ def run(ctx) -> List[Dict]:
                            transport=ctx.transport, ms=t[name], t_baseline=t["torch-fsdp2"],
                            t_gemm=t["compute alone"], t_comm=t["comm alone"], comm_hidden=hidden,
                            median_ms=med[name], median_speedup=med["torch-fsdp2"] / med[name],
+                           samples=n,
                            note="goal: speedup >= 1.0, peak_MB <= torch's" if name == "pyfused"
                            else "", **memory[name]))
     del live
