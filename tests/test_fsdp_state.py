@@ -192,16 +192,17 @@ def test_memory_buffers_at_most_fsdp2(ranks, world):
     assert all(ranks.run(world, _buffers_against_fsdp2, timeout=TIMEOUT))
 
 
-def _mixed_precision(rank, world):
+def _mixed_precision(rank, world, param_dtype, reduce_dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    compute = param_dtype or torch.float32
     model = _shard(H.build("mlp"), mp_policy=policy)
     seen = []
     model.blocks[0].fc.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
     per = 12 // world
     model.loss(H.rows_of(H.batch("mlp", 0, 0, 12), rank * per, (rank + 1) * per)).backward()
-    assert seen == [(torch.bfloat16, torch.bfloat16)], seen
+    assert seen == [(compute, compute)], seen
     ref = H.build("mlp")
     ref.loss(H.batch("mlp", 0, 0, 12)).backward()
     for name, p in model.named_parameters():
@@ -215,8 +216,11 @@ def _mixed_precision(rank, world):
     return True
 
 
-def test_mixed_precision(ranks):
-    assert all(ranks.run(2, _mixed_precision, timeout=TIMEOUT))
+# the 1/W scaling: after widening to fp32, in the copy within bf16, in the copy before narrowing
+@pytest.mark.parametrize("param_dtype,reduce_dtype,world", [
+    (torch.bfloat16, torch.float32, 2), (torch.bfloat16, None, 3), (None, torch.bfloat16, 3)])
+def test_mixed_precision(ranks, param_dtype, reduce_dtype, world):
+    assert all(ranks.run(world, _mixed_precision, param_dtype, reduce_dtype, timeout=TIMEOUT))
 
 
 class _Branches(nn.Module):
