@@ -12,9 +12,16 @@ Rows (``method``):
   comm alone      one step's collectives, on buffers of pyfused's unit sizes: every unit's all-gather
                   for forward, again for backward (the root's once) and its reduce-scatter, launched
                   in that order one at a time and waited (no compute)
+Times: the four are timed round-robin (``interleaved_samples``), at least ``MIN_SAMPLES`` steps
+each outside ``--quick`` (``samples``). ``time_ms`` is the best sample, as ``timeit`` reports: on
+a machine shared with other jobs, interference only ever adds time, so the fastest step is the
+closest estimate of a step's own cost; ``median_ms`` is the median sample, whose distance from the
+best shows how much the machine's noise moved the run.
 Derived columns:
-  comm_hidden = (T_compute + T_comm - T_step) / T_comm: the fraction of the communication hidden
-                under computation (1: all; 0: none; negative: slower than serial);
+  speedup     = torch FSDP2's best / this row's best; ``median_speedup`` the same of the medians;
+  comm_hidden = (T_compute + T_comm - T_step) / T_comm, of the best times: the fraction of the
+                communication hidden under computation (1: all; 0: none; negative: slower than
+                serial);
   state_MB    = this rank's parameter, gradient and optimizer-state bytes after a step (local
                 shards; storages counted once);
   peak_MB     = the peak of live tensor bytes during one step (``torch.distributed._tools.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
@@ -36,10 +44,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pyfused import comm
-from pyfused.bench.harness import op_row, time_interleaved
+from pyfused.bench.harness import interleaved_samples, op_row
 
 MULTI_RANK = True
 MB = 1024 * 1024
+MIN_SAMPLES = 20  # steps per timer outside --quick: enough for the best one to be a quiet one
 
 
 @dataclass(frozen=True)
@@ -189,10 +198,12 @@ def run(ctx) -> List[Dict]:
         opt = make_opt(model)
         step = step_fn(model, opt, x, y)
         step()
-        with torch.no_grad():  # after one step from the same weights: the same model
-            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
+        # memory first: after a no-grad forward FSDP2 reshards its root, and MemTracker then misses
+        # the root's shards in the next step (0.5 MB less than FSDP2 holds on the CPU model)
         memory[name] = {"state_MB": local_bytes(model, opt) / MB,
                         "peak_MB": peak_bytes(model, opt, step) / MB}
+        with torch.no_grad():  # after two steps from the same weights: the same model
+            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
         if name == "pyfused":
             timers["comm alone"] = comm_alone(model, ctx)
         timers[name] = step
@@ -201,18 +212,25 @@ def run(ctx) -> List[Dict]:
     if abs(got - want) > 1e-4 * abs(want):
         raise RuntimeError(f"bench_fsdp: after one step pyfused's loss is {got}, torch FSDP2's "
                            f"{want}; not timing a wrong result")
-    t = time_interleaved(timers, ctx)
+    n = ctx.iters if ctx.quick else max(ctx.iters, MIN_SAMPLES)
+    samples = interleaved_samples(timers, ctx, iters=n)
+    t = {name: min(s) for name, s in samples.items()}
+    med = {name: statistics.median(s) for name, s in samples.items()}
     rows = [op_row(ctx, shape=shape.label, dtype=torch.float32, method="compute alone",
-                   transport="none", ms=t["compute alone"],
+                   transport="none", ms=t["compute alone"], median_ms=med["compute alone"],
+                   samples=n,
                    note="one process, local batch, unsharded, no communication"),
             op_row(ctx, shape=shape.label, dtype=torch.float32, method="comm alone",
-                   transport=ctx.transport, ms=t["comm alone"],
+                   transport=ctx.transport, ms=t["comm alone"], median_ms=med["comm alone"],
+                   samples=n,
                    note=f"{len(live[1][0].blocks) * 3 + 2} collectives of one step, serial")]
     for name in ("torch-fsdp2", "pyfused"):
         hidden = (t["compute alone"] + t["comm alone"] - t[name]) / t["comm alone"]
         rows.append(op_row(ctx, shape=shape.label, dtype=torch.float32, method=name,
                            transport=ctx.transport, ms=t[name], t_baseline=t["torch-fsdp2"],
                            t_gemm=t["compute alone"], t_comm=t["comm alone"], comm_hidden=hidden,
+                           median_ms=med[name], median_speedup=med["torch-fsdp2"] / med[name],
+                           samples=n,
                            note="goal: speedup >= 1.0, peak_MB <= torch's" if name == "pyfused"
                            else "", **memory[name]))
     del live
@@ -237,7 +255,8 @@ def _main() -> None:  # torchrun --nproc-per-node N -m pyfused.benchmarks.bench_
                        args.iters or iters, {"shapes": args.shapes})
     rows = run(ctx)
     if rank == 0:
-        cols = ("method", "time_ms", "speedup", "comm_hidden", "overlap_eff", "state_MB", "peak_MB")
+        cols = ("method", "time_ms", "median_ms", "speedup", "median_speedup", "comm_hidden",
+                "state_MB", "peak_MB")
         print(f"{rows[0]['shape']}  world={world}  backend={backend}")
         print("  ".join(f"{c:>14}" for c in cols))
         for r in rows:

@@ -106,12 +106,14 @@ def time_fn(fn: Callable[[], Any], ctx: BenchContext, warmup: Optional[int] = No
     return time_interleaved({"fn": fn}, ctx, warmup, iters)["fn"]
 
 
-def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
-                     warmup: Optional[int] = None, iters: Optional[int] = None) -> Dict[str, float]:
-    """``time_fn`` of several functions measured round-robin: iteration i of every function runs
-    before iteration i+1 of any. Load that drifts during a run (a shared machine, clocks, the
-    allocator) then hits every variant alike instead of whichever was timed first, which matters
-    when the variants are compared with each other (speedups). Same count on every rank."""
+def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
+                        warmup: Optional[int] = None,
+                        iters: Optional[int] = None) -> Dict[str, List[float]]:
+    """Every timed iteration (ms, the slowest rank's) of several functions measured round-robin:
+    iteration i of every function runs before iteration i+1 of any. Load that drifts during a run
+    (a shared machine, clocks, the allocator) then hits every variant alike instead of whichever
+    was timed first, which matters when the variants are compared with each other (speedups).
+    Same count on every rank."""
     warmup = ctx.warmup if warmup is None else warmup
     iters = ctx.iters if iters is None else iters
     names = list(fns)
@@ -124,11 +126,17 @@ def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
         for name in names:
             times.append(_run_timed(fns[name], ctx))
     times = _slowest_rank(times, ctx)
-    out = {name: statistics.median(times[i::len(names)]) for i, name in enumerate(names)}
     if progress_hook is not None:
         for _ in names:
             progress_hook()
-    return out
+    return {name: times[i::len(names)] for i, name in enumerate(names)}
+
+
+def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
+                     warmup: Optional[int] = None, iters: Optional[int] = None) -> Dict[str, float]:
+    """The median of each function's ``interleaved_samples``."""
+    return {name: statistics.median(t)
+            for name, t in interleaved_samples(fns, ctx, warmup, iters).items()}
 
 
 def tflops(flop: float, ms: float) -> float:
