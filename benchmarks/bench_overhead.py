@@ -9,19 +9,21 @@ all_reduce or reduce_scatter_single), and for all_reduce_add_rmsnorm ``all_reduc
 ops skip the collective of a one-rank group, so they are held to the stricter baseline).
 
 Both world sizes are measured in one run: the run's group (2 ranks by default on CPU) and a group
-of rank 0 alone, while the other ranks wait. Each sample times ``CALLS`` back-to-back calls after a
-barrier; the variants are sampled round-robin, and each sample counts as its slowest rank's.
-Reported per variant, in microseconds per call: the best sample (``us_per_call``, as ``timeit``
-reports: interference from other processes only ever adds time, so the fastest of many samples is
-the estimate of the program's own cost) beside the plain program's best (``torch_us``) and their
-ratio (``overhead_x``, 1.00 = no overhead); and the median sample (``median_us``) with its ratio
-(``median_x``), which shows how much the machine's noise moves them. On CPU each rank's main
-thread is pinned to its own core while the suite runs (``_pinned_to_own_core``). Validation runs in the mode the
-process has (``--no-validate`` sets "off"); the first call of every variant is untimed, so mode
-"first" is measured in its steady state, where a call is found in the plan cache (``plan_cache``
-names its implementation: C++ where pyfused._C is built). One more row per shape,
-``unfused, validate=always``, times ``unfused`` and plain torch again with the cross-rank check run
-on every call: what the check costs where mode "first" skips it.
+of rank 0 alone, while the other ranks wait. A sample times ``CALLS`` back-to-back calls after a
+barrier and counts as its slowest rank's. Each round takes one sample of every variant, in an order
+shuffled per round; ``SAMPLES`` rounds. Reported per variant, in microseconds per call: the median
+sample (``us_per_call``) beside plain torch's (``torch_us``), and ``overhead_x``, the median over
+rounds of the variant's sample divided by plain torch's sample of the same round (1.00 = no
+overhead). Pairing by round cancels the interference that outlasts a round (other processes,
+gloo's threads, clock changes), which dominates the spread of single samples on a shared box; the
+best sample (``best_us``, ``best_x`` = best over best, as ``timeit`` reports) is kept for
+reference. On CPU each rank's main thread is pinned to its own core while the suite runs
+(``_pinned_to_own_core``). Validation runs in the mode the process has (``--no-validate`` sets
+"off"); the first call of every variant is untimed, so mode "first" is measured in its steady
+state, where a call is found in the plan cache (``plan_cache`` names its implementation: C++ where
+pyfused._C is built). One more row per shape, ``unfused, validate=always``, times ``unfused`` and
+plain torch again with the cross-rank check run on every call: what the check costs where mode
+"first" skips it.
 
 On a GPU the timed calls also wait for their kernels, so host overhead hides behind GPU time there;
 ``host_us`` is then measured apart: the host's time per call while a sleep kernel queued first
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import statistics
 import time
 from typing import Callable, Dict, List, Tuple
@@ -53,8 +56,9 @@ EPS = 1e-6
 # Per-rank (rows, K, N) of the GEMM ops and (rows, hidden) of all_reduce_add_rmsnorm.
 GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
 NORM_SHAPES = {"cpu": [(16, 256), (64, 1024)], "cuda": [(16, 4096), (128, 8192)]}
-CALLS = {"cpu": 5, "cuda": 200}
-SAMPLES = {False: 161, True: 3}
+CALLS = {"cpu": 1, "cuda": 200}
+SAMPLES = {"cpu": 801, "cuda": 101}  # rounds; --quick: QUICK_SAMPLES
+QUICK_SAMPLES = 3
 
 
 def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
@@ -111,15 +115,20 @@ def _inputs(op: str, shape: Tuple[int, ...], world: int, ctx: BenchContext):
 
 
 def _time_per_call(fns: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
-                   samples: int, calls: int) -> Dict[str, Tuple[float, float]]:
-    """(best, median) over ``samples`` of the slowest rank's time of ``calls`` back-to-back calls,
-    in us per call; the variants round-robin, each called once untimed first."""
+                   samples: int, calls: int) -> Dict[str, List[float]]:
+    """Per variant, ``samples`` times of ``calls`` back-to-back calls (the slowest rank's), in us
+    per call; entry i of every list is from round i. Each round times every variant once, in an
+    order shuffled per round (the same on every rank), so that no variant always follows the same
+    other one; each variant is called once untimed first."""
     world = comm.world_size(pg)
+    names = list(fns)
     for fn in fns.values():
         fn()
-    times: List[float] = []
+    order = random.Random(len(names) * samples)
+    times: Dict[str, List[float]] = {name: [] for name in names}
     for _ in range(samples):
-        for fn in fns.values():
+        for name in order.sample(names, len(names)):
+            fn = fns[name]
             if world > 1:
                 dist.barrier(group=pg)
             if ctx.device.type == "cuda":
@@ -129,13 +138,12 @@ def _time_per_call(fns: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
                 fn()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e6 / calls)
+            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
     if world > 1:
-        t = torch.tensor(times, dtype=torch.float64)
+        t = torch.tensor([times[name] for name in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-        times = t.tolist()
-    return {name: (min(times[i::len(fns)]), statistics.median(times[i::len(fns)]))
-            for i, name in enumerate(fns)}
+        times = dict(zip(names, t.tolist()))
+    return times
 
 
 def _host_us_per_call(fns: Dict[str, Callable[[], object]], pg, samples: int, calls: int
@@ -163,6 +171,14 @@ def _host_us_per_call(fns: Dict[str, Callable[[], object]], pg, samples: int, ca
     return best
 
 
+def _stats(times: Dict[str, List[float]], name: str) -> Dict[str, float]:
+    """The row's figures of variant ``name`` against plain torch, from the same rounds."""
+    mine, base = times[name], times["torch"]
+    return dict(us_per_call=statistics.median(mine), torch_us=statistics.median(base),
+                overhead_x=statistics.median(m / b for m, b in zip(mine, base)),
+                best_us=min(mine), best_x=min(mine) / min(base))
+
+
 def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     world = comm.world_size(pg)
     tensors, label, dtype = _inputs(op, shape, world, ctx)
@@ -178,10 +194,11 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
             unavailable[method] = str(e)
             continue
         variants[method] = call
-    samples, calls = SAMPLES[ctx.quick], CALLS.get(ctx.device.type, 50)
-    us = _time_per_call(variants, ctx, pg, samples, calls)
+    samples = QUICK_SAMPLES if ctx.quick else SAMPLES.get(ctx.device.type, SAMPLES["cuda"])
+    calls = CALLS.get(ctx.device.type, CALLS["cuda"])
+    times = _time_per_call(variants, ctx, pg, samples, calls)
     host = (_host_us_per_call(variants, pg, samples, calls) if ctx.device.type == "cuda"
-            else {name: best for name, (best, _) in us.items()})
+            else {name: statistics.median(t) for name, t in times.items()})
     checked = _checked_every_call(variants, ctx, pg, samples, calls)
     transport = ctx.transport if world > 1 else "none"
     rows = []
@@ -190,29 +207,26 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
                       validate="always" if method == CHECKED else comm.validation_mode(),
                       plan_cache=plans.IMPLEMENTATION)
         if method == CHECKED:
-            (best, median), (torch_best, torch_median) = checked["unfused"], checked["torch"]
-            rows.append(op_row(ctx, method=method, ms=best / 1e3, us_per_call=best,
-                               torch_us=torch_best, overhead_x=best / torch_best, median_us=median,
-                               median_x=median / torch_median, host_us=best,
-                               host_over_torch_us=best - torch_best,
+            figures = _stats(checked, "unfused")
+            rows.append(op_row(ctx, method=method, ms=figures["us_per_call"] / 1e3, **figures,
+                               host_us=figures["us_per_call"],
+                               host_over_torch_us=figures["us_per_call"] - figures["torch_us"],
                                note="every call exchanges and checks signatures", **common))
             continue
         if method in unavailable:
             rows.append(op_row(ctx, method=method, ms=None, status="unavailable",
                                note=f"unavailable: {unavailable[method]}", **common))
             continue
-        (best, median), (torch_best, torch_median) = us[method], us["torch"]
-        rows.append(op_row(ctx, method=method, ms=best / 1e3, us_per_call=best, torch_us=torch_best,
-                           overhead_x=best / torch_best, median_us=median,
-                           median_x=median / torch_median, host_us=host[method],
-                           host_over_torch_us=host[method] - host["torch"],
+        figures = _stats(times, method)
+        rows.append(op_row(ctx, method=method, ms=figures["us_per_call"] / 1e3, **figures,
+                           host_us=host[method], host_over_torch_us=host[method] - host["torch"],
                            note="plain torch" if method == "torch" else "", **common))
     return rows
 
 
 def _checked_every_call(variants: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
-                        samples: int, calls: int) -> Dict[str, Tuple[float, float]]:
-    """Plain torch and ``unfused`` again, round-robin, in validation mode "always": what the
+                        samples: int, calls: int) -> Dict[str, List[float]]:
+    """Plain torch and ``unfused`` again, in rounds, in validation mode "always": what the
     cross-rank check costs when it runs on every call (mode "first" runs it once per signature)."""
     mode = comm.validation_mode()
     comm.set_validation("always")  # this process only: every rank of ``pg`` runs this alike

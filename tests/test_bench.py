@@ -169,8 +169,10 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
             assert row["status"] == "unavailable" and row["time_ms"] is None
             continue
         assert row["status"] == "ok" and row["us_per_call"] > 0
-        assert row["overhead_x"] == pytest.approx(row["us_per_call"] / row["torch_us"])
-        assert row["median_us"] >= row["us_per_call"]  # the best sample is at most the median
+        assert row["best_us"] <= row["us_per_call"]  # the best sample is at most the median
+        assert row["overhead_x"] > 0 and row["best_x"] > 0
+        if row["method"] == "torch":  # each round's plain torch sample over itself
+            assert row["overhead_x"] == 1 and row["best_x"] == 1
         assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
         assert row["plan_cache"] == plans.IMPLEMENTATION
         assert row["validate"] == ("always" if row["method"].endswith("always") else "first")
