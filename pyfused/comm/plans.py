@@ -18,7 +18,8 @@ is stored only after ``validate`` accepted and remembered the call, the key is a
 validate's, and ``validate`` clears both together (a mode change, ``forget_seen``). Entries may be
 dropped at any time (the C++ table starts over when full): a miss only takes the slower path.
 Calls with arguments the key cannot describe (a tensor subclass such as DTensor, an unhashable or
-unusual scalar, a group given as a mesh tuple) always take that path.
+unusual scalar) always take that path; so does, in C++, which keys a group by identity, a group
+that is a new object at every call (a ``(mesh, dim)`` tuple built in the call).
 """
 from __future__ import annotations
 
