@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..pipeline.stage import before_backward
 from .fully_shard import FSDPModule, fully_shard
 
 # the pyfused.pipeline schedules whose last microbatch's backward is each stage's last backward
@@ -43,21 +44,6 @@ def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
     for k, t in model.state_dict(keep_vars=True).items():
         if k in by_name:
             specs[id(t)] = by_name[k]
-
-
-class _SyncOnBackward(torch.autograd.Function):
-    """Identity on the last microbatch's output; its backward, the first step of the step's last
-    backward on this stage, turns gradient sync on for the stage's units."""
-
-    @staticmethod
-    def forward(ctx, x, root):
-        ctx.root = root
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.root.set_requires_gradient_sync(True)
-        return g, None
 
 
 class FullyShardedStage(nn.Module):
@@ -86,7 +72,8 @@ class FullyShardedStage(nn.Module):
         out = self.root(*inputs)
         if self.count == self.n_microbatches:
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out = _SyncOnBackward.apply(out, self.root)
+                # the step's last backward on this stage turns gradient sync on as it starts
+                out = before_backward(out, lambda: self.root.set_requires_gradient_sync(True))
             else:  # no backward will reach this stage's units: nothing to accumulate or reduce
                 self.root.set_requires_gradient_sync(True)
         return out

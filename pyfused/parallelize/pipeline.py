@@ -28,7 +28,8 @@ loss when labels are given).
 DP inside a stage: DDP's hooks reduce on the backward of a forward run outside ``no_sync``, but in a
 1F1B step the last forward precedes earlier microbatches' backwards; so every microbatch runs under
 ``no_sync`` and the last one's backward -- the last backward of the step on every stage -- arms the
-reducer as it starts (``_SyncLastBackward``), reducing the accumulated gradients. With
+reducer as it starts (``pyfused.pipeline.stage.before_backward``), reducing the accumulated
+gradients. With
 ``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
 module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
 accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
@@ -44,6 +45,7 @@ import torch.nn as nn
 
 from .. import comm
 from .._logging import logger
+from ..pipeline.stage import before_backward
 from .pipeline_units import (
     Block, Embed, Head, ModelParts, NotOnThisStage, outer_modules, replace_with_placeholder,
 )
@@ -97,21 +99,6 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-class _SyncLastBackward(torch.autograd.Function):
-    """Identity whose backward arms DDP's reducer: the gradients accumulated by the earlier
-    microbatches (run under ``no_sync``) and this one are then reduced as this backward finishes."""
-
-    @staticmethod
-    def forward(ctx, x, ddp):
-        ctx.ddp = ddp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.ddp.reducer.prepare_for_backward(())
-        return g, None
-
-
 class _DataParallelStage(nn.Module):
     """A stage module under DDP for microbatched steps: every microbatch runs under ``no_sync``; the
     last one's backward -- the last backward of a GPipe or 1F1B step on every stage -- reduces."""
@@ -129,7 +116,9 @@ class _DataParallelStage(nn.Module):
         with self.ddp.no_sync():
             out = self.ddp(*inputs)
         if self.count == self.n_microbatches:
-            out = _SyncLastBackward.apply(out, self.ddp)
+            # arm DDP's reducer: the gradients accumulated under no_sync and this microbatch's
+            # are reduced as this backward finishes
+            out = before_backward(out, lambda: self.ddp.reducer.prepare_for_backward(()))
         return out
 
 
