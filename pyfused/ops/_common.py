@@ -328,6 +328,7 @@ class Plan:
     op: str
     pg: Optional[dist.ProcessGroup]
     group_name: str
+    world: int        # the group's size
     method: str       # the concrete method (never "auto"), or as asked when ``traced``
     chunks: int
     choice: Choice
@@ -339,8 +340,8 @@ class Plan:
 def traced_plan(op: str, group, method: str, chunks: int = 0) -> Plan:
     """The plan of a call Dynamo traces: the registered op, with the method as asked."""
     pg = comm.resolve_group(group)
-    return Plan(op, pg, comm.group_name(pg), method, chunks, Choice(method, chunks, "traced"),
-                direct=False, local=False, traced=True)
+    return Plan(op, pg, comm.group_name(pg), comm.world_size(pg), method, chunks,
+                Choice(method, chunks, "traced"), direct=False, local=False, traced=True)
 
 
 def new_plan(op: str, pg, choice: Choice, chunks: int, tensors: Sequence[Optional[torch.Tensor]],
@@ -349,8 +350,9 @@ def new_plan(op: str, pg, choice: Choice, chunks: int, tensors: Sequence[Optiona
     op's, by default) and ``key`` = (group as passed, method as passed, *the arguments the call is
     keyed on), unless validation mode is "always" (every call is then checked again)."""
     direct = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-    plan = Plan(op, pg, comm.group_name(pg), choice.method, chunks or choice.chunks, choice, direct,
-                local=direct and comm.world_size(pg) == 1 and choice.method != "fused")
+    world = comm.world_size(pg)
+    plan = Plan(op, pg, comm.group_name(pg), world, choice.method, chunks or choice.chunks, choice,
+                direct, local=direct and world == 1 and choice.method != "fused")
     if validate.validation_mode() != "always":
         plans.store(plan, OPS[op].code if code is None else code, *key)
     return plan

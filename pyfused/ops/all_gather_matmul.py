@@ -149,7 +149,6 @@ def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto")
         plan = _common.plan_matmul(OP, a, b, group, method)
     if plan.local:  # one rank, no autograd graph: the product is the whole op
         return a @ b
-    w = comm.world_size(plan.pg)
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
     if plan.direct:
         out, _ = _run(a2, b, plan.pg, plan.method, False)
@@ -157,4 +156,4 @@ def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto")
         keep = torch.is_grad_enabled() and b.requires_grad
         out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
                                  plan.method, keep)
-    return out if a.dim() == 2 else out.view(w * a.shape[0], *a.shape[1:-1], b.shape[1])
+    return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])

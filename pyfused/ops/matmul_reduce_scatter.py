@@ -130,11 +130,10 @@ def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "au
         plan = _common.plan_matmul(OP, a, b, group, method)
     if plan.local:  # one rank, no autograd graph: the product is the whole op
         return a @ b
-    w = comm.world_size(plan.pg)
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
     if plan.direct:
         out = _run(a2, b, plan.pg, plan.method)
     else:
         out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
                               plan.method)
-    return out if a.dim() == 2 else out.view(a.shape[0] // w, *a.shape[1:-1], b.shape[1])
+    return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
