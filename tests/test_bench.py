@@ -304,3 +304,99 @@ def test_cli_survives_failing_suites_under_torchrun(tmp_path):
     assert rows["single"]["status"] == "ok" and rows["single"]["transport"] == "none"
     assert rows["single"]["world"] == 1
     assert "boom on rank 1 only" in r.stderr and "2 suite(s) ok, 3 FAILED" in r.stdout
+
+
+# ---- rows as they go ---------------------------------------------------------------------------
+
+STREAMED_SUITES = {
+    "bench_killed.py": """
+        import os, signal, torch
+        from pyfused.bench.harness import op_row, time_fn
+        MULTI_RANK = False
+        def _measure(point):
+            if point == 3:  # the 4th point: the whole process group dies mid-measurement
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+        def run(ctx):
+            rows = []
+            for point in range(5):
+                ms = time_fn(lambda: _measure(point), ctx, warmup=0, iters=1)
+                row = op_row(ctx, shape=f"p{point}", dtype=torch.float32, method="m",
+                             transport="none", ms=ms + 1.0)
+                row["added_after"] = point  # a column set after op_row, like bench_gemm's
+                rows.append(row)
+            return rows
+    """,
+    "bench_endless.py": """
+        import time, torch
+        from pyfused.bench.harness import op_row, time_fn
+        MULTI_RANK = False
+        def run(ctx):
+            rows = []
+            for point in range(10000):  # stopped by --suite-timeout long before the end
+                ms = time_fn(lambda: time.sleep(0.05), ctx, warmup=0, iters=1)
+                rows.append(op_row(ctx, shape=f"p{point}", dtype=torch.float32, method="m",
+                                   transport="none", ms=ms))
+            return rows
+    """,
+    "bench_after.py": """
+        MULTI_RANK = False
+        def run(ctx):
+            return [{"shape": "after", "method": "m", "time_ms": 1.0}]
+    """,
+}
+
+
+def _fake_suites(tmp_path, sources):
+    pkg = tmp_path / "fakesuites"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, src in sources.items():
+        (pkg / name).write_text(textwrap.dedent(src))
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_survive_a_killed_suite(tmp_path):
+    """A suite killed (SIGKILL to its whole process group, as the device step's `timeout` does)
+    during its 4th point leaves its first 3 rows, whole (CLI columns and those added after
+    op_row), in <suite>.rows.jsonl; the 4th, unfinished, is not there."""
+    _fake_suites(tmp_path, STREAMED_SUITES)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pyfused.bench", "--world", "1", "--no-progress", "--out", str(out),
+           "--suites", "fakesuites.bench_killed"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(tmp_path), str(REPO),
+                                                       os.environ.get("PYTHONPATH", ""))))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                       start_new_session=True)
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert not (out / "all.json").exists()  # killed before the report
+    rows = _jsonl(out / "killed.rows.jsonl")
+    assert [row["shape"] for row in rows] == ["p0", "p1", "p2"], r.stderr[-3000:]
+    assert [row["added_after"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["suite"] == "killed" and row["status"] == "ok" and row["time_ms"] >= 1.0
+        assert all(row.get(col) not in (None, "") for col in META), row
+
+
+def test_suite_timeout_stops_a_suite_and_keeps_its_rows(tmp_path):
+    """--suite-timeout: no measurement starts after the budget; the suite is a failed row naming
+    it, the rows it measured stay in its rows.jsonl, and the next suite runs; a suite that ends
+    has its returned rows in its rows.jsonl."""
+    _fake_suites(tmp_path, STREAMED_SUITES)
+    out = tmp_path / "out"
+    r = _run([sys.executable, "-m", "pyfused.bench", "--world", "1", "--no-progress",
+              "--suite-timeout", "1", "--out", str(out),
+              "--suites", "fakesuites.bench_endless,fakesuites.bench_after"], tmp_path,
+             extra_path=tmp_path, timeout=240)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    final = {row["suite"]: row for row in json.loads((out / "all.json").read_text())}
+    assert "SuiteTimeout" in final["endless"]["status"], final["endless"]
+    assert "--suite-timeout" in final["endless"]["status"]
+    measured = _jsonl(out / "endless.rows.jsonl")
+    assert 1 <= len(measured) < 10000 and all(row["suite"] == "endless" for row in measured)
+    assert final["after"]["status"] == "ok"
+    assert [row["shape"] for row in _jsonl(out / "after.rows.jsonl")] == ["after"]

@@ -8,6 +8,11 @@ single-device suite, run on rank 0 alone). ``--suites`` also takes dotted module
 Ranks: under torchrun the launched ones; otherwise this process starts them with torchrun's elastic
 launch (pyfused/bench/launch.py): one per GPU with NCCL, or 2 gloo ranks on CPU (``--world``).
 
+Rows as they go: while a suite runs, rank 0 appends each row it finishes to
+``<out>/<suite>.rows.jsonl`` (flushed per row), and replaces them with the suite's returned rows
+when it ends, so a run killed mid-way keeps every point it measured; ``--suite-timeout`` bounds a
+suite's wall-clock time (no measurement starts after it; the suite then fails, its rows kept there).
+
 A failing suite never stops the run: every suite runs in a process group of its own whose collectives
 time out after ``--timeout`` seconds (so a suite that raised on some ranks cannot hang the others),
 the ranks then agree over a separate control group on what happened, and the suite shows up as a
@@ -97,6 +102,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="seconds a collective may wait for a peer inside a suite before it fails: "
                         "a dead or frozen rank fails the suite after this long (default: "
                         "%(default)s = 5 minutes; torch's own default is 30)")
+    p.add_argument("--suite-timeout", type=float,
+                   help="seconds of wall-clock time a suite may take: no measurement starts after "
+                        "that, and the suite fails with the rows it measured kept in "
+                        "<out>/<suite>.rows.jsonl (default: no limit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -175,13 +184,19 @@ def _load_suite(module: str):
     return mod
 
 
-def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> SuiteResult:
+def run_suite(module: str, base: BenchContext, control, timeout_s: float,
+              budget_s: Optional[float] = None) -> SuiteResult:
     """Run one suite on every rank (or rank 0 alone); every rank returns the same SuiteResult."""
     result = SuiteResult(suite_name(module))
     t0 = time.perf_counter()
-    mod, err = None, None
+    mod, err, rows_file = None, None, None
     try:
         mod = _load_suite(module)
+        if base.rank == 0 and base.options.get("out"):
+            # emptied before the suite starts: an earlier run's rows are not this one's
+            rows_file = Path(base.options["out"]) / f"{result.name}.rows.jsonl"
+            rows_file.parent.mkdir(parents=True, exist_ok=True)
+            rows_file.write_text("")
     except Exception:  # noqa: BLE001 - reported as the suite's failure
         err = traceback.format_exc()
     loaded = [None] * base.world
@@ -205,13 +220,7 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
     rows, err = [], None
     if runs_here:
         try:
-            rows = mod.run(ctx)
-            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-                raise TypeError(f"run(ctx) must return a list of dicts, got {type(rows).__name__}")
-            if not rows:
-                raise RuntimeError("run(ctx) returned no rows")
-            meta = harness.metadata(ctx)
-            rows = [_finish_row(r, result.name, ctx, meta) for r in rows]
+            rows = _run_recorded(mod, ctx, result.name, rows_file, budget_s)
         except Exception:  # noqa: BLE001 - reported as the suite's failure
             rows, err = [], traceback.format_exc()
     everyone = [None] * base.world
@@ -229,6 +238,32 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float) -> Sui
         dist.destroy_process_group(group)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _run_recorded(mod, ctx: BenchContext, name: str, rows_file: Optional[Path],
+                  budget_s: Optional[float]) -> List[Dict[str, Any]]:
+    """``mod.run(ctx)`` with its rows appended to ``rows_file`` (rank 0; None elsewhere) as they are
+    measured and no measurement started after ``budget_s``; the finished rows, which then replace
+    the streamed ones in the file."""
+    start_meta = harness.metadata(ctx)
+    recorder = harness.SuiteRecorder(rows_file, lambda r: _finish_row(r, name, ctx, start_meta),
+                                     budget_s)
+    harness.recorder = recorder
+    try:
+        rows = mod.run(ctx)
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError(f"run(ctx) must return a list of dicts, got {type(rows).__name__}")
+        if not rows:
+            raise RuntimeError("run(ctx) returned no rows")
+        meta = harness.metadata(ctx)
+        rows = [_finish_row(r, name, ctx, meta) for r in rows]
+    except BaseException:
+        recorder.flush()  # what it measured before failing stays in the file
+        raise
+    finally:
+        harness.recorder = None
+    recorder.replace(rows)
+    return rows
 
 
 @contextlib.contextmanager
@@ -302,7 +337,7 @@ def _run_all(args, modules, backend, rank, world, device) -> int:
     try:
         for module in modules:
             progress.start_suite(suite_name(module))
-            result = run_suite(module, base, control, args.timeout)
+            result = run_suite(module, base, control, args.timeout, args.suite_timeout)
             progress.end_suite(result)
             results.append(result)
     finally:

@@ -13,6 +13,11 @@ other key is kept in the CSV/JSON. Every row names its ``transport`` ("gloo", "n
 "none"), so that a speedup measured over a slower transport is never read as a kernel's. The
 derived columns are computed here and only here (``tflops``, ``bandwidths``, ``speedup``,
 ``overlap_efficiency``); docs/BENCH.md repeats the formulas.
+
+Rows as they go. While a suite runs, the CLI attaches a ``SuiteRecorder``: every ``op_row`` is
+appended to ``<suite>.rows.jsonl`` once the suite moves on (its next row or measurement), so a suite
+killed mid-way leaves the rows it finished; and no measurement starts once the suite's time budget
+is spent.
 """
 from __future__ import annotations
 
@@ -34,6 +39,64 @@ import torch.distributed as dist
 # Called on every rank after each ``time_fn`` measurement; the CLI points it at its progress bar.
 # Suites need not know about it.
 progress_hook: Optional[Callable[[], None]] = None
+
+
+class SuiteTimeout(RuntimeError):
+    """A suite's time budget (the CLI's ``--suite-timeout``) was spent: no measurement started."""
+
+
+class SuiteRecorder:
+    """The suite running in this process: its rows written as they are measured, and its budget.
+
+    ``op_row`` hands each new row to ``row``; the row is held until the suite starts its next
+    measurement or row (a suite may still add columns to a row it just made) and then appended to
+    ``path`` as one JSON line, flushed, so a process killed later loses none of it. ``path`` None
+    (ranks other than 0) records nothing. ``finish`` turns a suite's row into the row the files hold
+    (suite name, metadata). ``budget_s``: wall-clock seconds after which ``measuring`` raises
+    ``SuiteTimeout`` instead of letting another measurement start."""
+
+    def __init__(self, path: Optional[Path], finish: Callable[[Dict[str, Any]], Dict[str, Any]],
+                 budget_s: Optional[float] = None):
+        self.path = path
+        self.finish = finish
+        self.budget_s = budget_s
+        self.started = time.monotonic()
+        self.written = 0
+        self._pending: List[Dict[str, Any]] = []
+
+    def row(self, row: Dict[str, Any]) -> None:
+        self.flush()
+        self._pending.append(row)
+
+    def measuring(self) -> None:
+        """Called as a measurement starts: the rows made so far are final; is there time left?"""
+        self.flush()
+        spent = time.monotonic() - self.started
+        if self.budget_s is not None and spent > self.budget_s:
+            raise SuiteTimeout(f"the suite's {self.budget_s:g} s budget (--suite-timeout) was spent "
+                               f"after {spent:.0f} s and {self.written} rows: no further measurement "
+                               f"started")
+
+    def flush(self) -> None:
+        if self.path is not None and self._pending:
+            with self.path.open("a") as f:
+                for row in self._pending:
+                    f.write(json.dumps(json_safe(self.finish(dict(row))), default=str) + "\n")
+                f.flush()
+        self.written += len(self._pending)
+        self._pending.clear()
+
+    def replace(self, rows: List[Dict[str, Any]]) -> None:
+        """The suite's finished rows (as the files hold them) in place of those streamed."""
+        self._pending.clear()
+        if self.path is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(json_safe(r), default=str) + "\n" for r in rows))
+            os.replace(tmp, self.path)
+
+
+# The recorder of the suite running in this process; the CLI sets it around each suite.
+recorder: Optional[SuiteRecorder] = None
 
 
 @dataclass
@@ -114,6 +177,8 @@ def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
     (a shared machine, clocks, the allocator) then hits every variant alike instead of whichever
     was timed first, which matters when the variants are compared with each other (speedups).
     Same count on every rank."""
+    if recorder is not None:
+        recorder.measuring()
     warmup = ctx.warmup if warmup is None else warmup
     iters = ctx.iters if iters is None else iters
     names = list(fns)
@@ -223,6 +288,8 @@ def op_row(ctx: BenchContext, *, shape: str, dtype: torch.dtype, method: str, tr
         "note": note,
     }
     row.update(extra)
+    if recorder is not None:
+        recorder.row(row)
     return row
 
 
@@ -258,14 +325,17 @@ def metadata(ctx: BenchContext) -> Dict[str, Any]:
     }
 
 
+def json_safe(row: Dict[str, Any]) -> Dict[str, Any]:
+    """A number that could not be measured is NaN in memory; it is written as an empty CSV cell and
+    a JSON null (NaN is not JSON)."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+
+
 def write_results(rows: List[Dict[str, Any]], out_dir: Path, name: str) -> List[Path]:
     """Write ``rows`` as ``<name>.csv`` and ``<name>.json`` under ``out_dir``; return the paths."""
     import csv
 
-    # A number that could not be measured is NaN in memory; it is written as an empty CSV cell and
-    # a JSON null (NaN is not JSON).
-    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-            for row in rows]
+    rows = [json_safe(row) for row in rows]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns: List[str] = []
