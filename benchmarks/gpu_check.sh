@@ -1,60 +1,70 @@
 #!/usr/bin/env bash
-# What a machine with a GPU runs: three self-contained device calls (docs/TESTBED.md has the exact
-# device-tool invocations). A fresh, bare machine per call, at most 10 minutes a call, 30 minutes in
-# all: so call 1 builds pyfused._C once and warms the Triton cache, and returns both through $OUT;
-# calls 2 and 3 carry them in (.gpu_carry/) and install in seconds with no rebuild.
+# What a machine with a GPU runs: two self-contained device calls (docs/TESTBED.md has the exact
+# device-tool invocations). A fresh, bare machine per call, at most 10 minutes a call, 30 minutes of
+# device time in all, start-ups included: call 1 builds pyfused._C, runs the correctness tests and
+# warms the Triton cache, and returns the build and the cache through $OUT; call 2 carries them in
+# (.gpu_carry/) and installs in seconds with no rebuild.
 #
-#   bash benchmarks/gpu_check.sh --call 1    # build, single-rank GPU tests, warm the Triton cache
-#   bash benchmarks/gpu_check.sh --call 2    # virtual ranks (tests, sanitizer), the symm-mem smoke
-#   bash benchmarks/gpu_check.sh --call 3    # benchmarks: virtual ranks, single-GPU kernels
-#   bash benchmarks/gpu_check.sh --dry-run [--call N]   # print the plan; checks the limits; no GPU
+#   bash benchmarks/gpu_check.sh --call 1    # build, single-rank GPU tests, virtual ranks, warm
+#   bash benchmarks/gpu_check.sh --call 2    # sanitizers, benchmarks, the symm-mem smoke
+#   bash benchmarks/gpu_check.sh --dry-run [--call N]   # the plan and its worst case; no GPU
+#   bash benchmarks/gpu_check.sh --call N --only a,b    # only the named steps of call N
 #
-# Every step runs under its own `timeout` (at most STEP_MAX s; a call's steps sum to at most
-# CALL_MAX s, under the tool's 600 s), whatever happened before it (no `set -e`), and after every
-# step -- and on exit, by a trap -- the logs, summary.txt and the results tarball are copied to
-# $OUT, so a call killed at its limit still returns everything that ran. The exit status is 1 if
-# any step failed. The sanitizer steps run one process per rank, not virtual ranks: a sanitizer
-# may serialize a process's kernel launches, and virtual ranks' kernels wait on each other. Results: benchmarks/results/<date>_<gpu>/call<N>/ (commit them; GPU_CHECK_RESULTS
-# names another root).
+# Every step runs under its own `timeout`, whatever happened before it (no `set -e`), and after
+# every step -- and on exit, by a trap -- the logs, summary.txt and the results tarball are copied
+# to $OUT, so a call killed at its limit still returns everything that ran. The exit status is 1 if
+# any step failed. The sanitizer steps run one process per rank, not virtual ranks: a sanitizer may
+# serialize a process's kernel launches, and virtual ranks' kernels wait on each other. The bench
+# steps write each row as it is measured (<suite>.rows.jsonl) and stop their suites
+# (--suite-timeout) before the step's limit. Results: benchmarks/results/<date>_<gpu>/call<N>/
+# (commit them; GPU_CHECK_RESULTS names another root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STEP_MAX=240      # seconds, any one step
-CALL_MAX=480      # seconds, the sum of a call's step limits (8 minutes)
-MAX_FILES=8       # files the device tool returns from $OUT
-CARRY=.gpu_carry  # what calls 2 and 3 carry in (ignored by git): the .so and the Triton cache
+# --- the device tool's limits and what this plan assumes (docs/TESTBED.md) ------------------------
+CALL_TIMEOUT=600   # s, the timeout_s every call is run with: the tool's most per command
+STARTUP=120        # s per call, a fresh machine's start: the device README's "1 to 2 minutes"
+WARM_AFTER=30      # s a machine stays held after a call (nvidia-h100-x1, nvidia-h200)
+BUDGET=1800        # s of device time for the session
+SPARE=180          # s the worst case leaves unused
+KILL_GRACE=5       # s a step may outlive its limit (timeout --kill-after)
+SCRIPT_OWN=15      # s per call of the script's own work between steps (setup, collecting)
+MAX_FILES=8        # files the device tool returns from $OUT
+CARRY=.gpu_carry   # what call 2 carries in (ignored by git): the .so and the Triton cache tarball
 SO_GLOB="_C.cpython-*.so"
+CALLS="1 2"
+# The Triton cache sits at one path on every machine, whatever the checkout's: its group files
+# hold the absolute paths of their entries, so a cache unpacked at another path is never hit.
+TRITON_CACHE=${TMPDIR:-/tmp}/pyfused-triton-cache
 PY=${PYTHON:-python3}
-PYTEST="$PY -m pytest -q -ra -x -p no:cacheprovider --timeout=120"
+PYTEST="$PY -m pytest -q -ra -x -p no:cacheprovider --timeout=90"
+BENCH="$PY -m pyfused.bench --no-progress"
 
 # --- the plan: per call, "name limit_s command" (a command is one bash -c string) -----------------
+# The most valuable steps first: a call cut short loses only what follows.
 call_steps() {
   case $1 in
   1) cat <<'EOF'
-env         15  gpu_env
-build       210 gpu_build
-ext         15  $PY -c "import pyfused._C, torch; from pyfused.comm.symmetric import check_layout; check_layout(); print('ops:', sorted(n for n in dir(torch.ops.pyfused) if not n.startswith('_')))"
-tests_1rank 150 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py -k "not w2 and not w4"
-warm        75  $PY benchmarks/bench_virtual_ranks.py --warm
-pack        15  gpu_pack_cache
+env         10  gpu_env
+build       180 gpu_build
+tests_1rank 110 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py -k "not w2 and not w4"
+virtual     140 $PYTEST -m gpu tests/test_virtual_ranks.py
+warm_vr     35  $PY benchmarks/bench_virtual_ranks.py --warm
+warm_1gpu   65  $BENCH --suites gemm,reduce --warmup 0 --iters 1 --timeout 30 --suite-timeout 17 --out $RES/warm_1gpu
+pack        10  gpu_pack_cache
 EOF
   ;;
   2) cat <<'EOF'
-install     45  gpu_install
-env         15  gpu_env
-virtual     210 $PYTEST -m gpu tests/test_virtual_ranks.py
-symm_probe  40  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
+env         10  gpu_env
+install     30  gpu_install
+cache       10  gpu_unpack_cache
 memcheck_w1 40  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
 memcheck_w2 60  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
-symm_w2     60  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
-EOF
-  ;;
-  3) cat <<'EOF'
-install     45  gpu_install
-env         15  gpu_env
-bench_vr    240 $PY -m pyfused.bench --suites virtual_ranks --dtype bfloat16 --out $RES/bench_virtual_ranks
-bench_1gpu  120 $PY -m pyfused.bench --suites gemm,reduce --out $RES/bench_1gpu
-racecheck   60  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
+racecheck   45  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
+bench_vr    170 $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 60 --suite-timeout 130 --out $RES/bench_virtual_ranks
+bench_1gpu  80  $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 25 --out $RES/bench_1gpu
+symm_probe  30  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
+symm_w2     45  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
 EOF
   ;;
   esac
@@ -69,45 +79,75 @@ call_returns() {  # the files a call leaves under $OUT (the device tool returns 
 
 call_purpose() {
   case $1 in
-  1) echo "build pyfused._C (PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, warm the Triton cache" ;;
-  2) echo "virtual ranks at W=2/4/8 (correctness, adversarial modes), memcheck, the symm-mem exchange smoke" ;;
-  3) echo "benchmarks: each fused op at W=2/4/8 vs its unfused composition; the single-GPU kernels; racecheck" ;;
+  1) echo "build pyfused._C (PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, virtual ranks at W=2/4/8, warm the Triton cache for the benchmarks" ;;
+  2) echo "memcheck and racecheck, benchmarks (each fused op at W=2/4/8 vs unfused; the single-GPU kernels), the symm-mem exchange smoke" ;;
   esac
 }
 
-dry_run() {  # print the plan of the given calls; exit 1 if a limit is broken
-  local bad=0 call name limit cmd total files
+call_carry() {  # the device tool's carry argument of a call
+  case $1 in
+  1) echo "" ;;
+  *) echo ", carry=[\"$CARRY\"]" ;;
+  esac
+}
+
+selected_steps() {  # call_steps, less the steps --only leaves out
+  local name rest
+  call_steps "$1" | while read -r name rest; do
+    [ -z "$ONLY" ] || [[ ",$ONLY," == *",$name,"* ]] && echo "$name $rest"
+  done
+}
+
+dry_run() {  # print the plan of the given calls and their worst case; exit 1 if a limit is broken
+  local bad=0 call name limit cmd steps n files worst total=0
+  echo "Triton cache: $TRITON_CACHE (one path on every machine; TMPDIR sets its root)"
   for call in "$@"; do
-    total=0
+    steps=0 n=0
     echo "call $call: $(call_purpose "$call")"
+    echo "  run(command=\"bash benchmarks/gpu_check.sh --call $call\"$(call_carry "$call"), timeout_s=$CALL_TIMEOUT)"
     while read -r name limit cmd; do
-      [ -n "$name" ] || continue
       printf '  %-12s %4ss  %s\n' "$name" "$limit" "$cmd"
-      total=$((total + limit))
-      if [ "$limit" -gt "$STEP_MAX" ]; then echo "  ERROR: step $name's limit $limit s > $STEP_MAX s"; bad=1; fi
+      steps=$((steps + limit)) n=$((n + 1))
     done < <(call_steps "$call")
     files=$(call_returns "$call" | wc -w)
-    echo "  total ${total}s of ${CALL_MAX}s; returns ${files} files: $(call_returns "$call")"
-    if [ "$total" -gt "$CALL_MAX" ]; then echo "  ERROR: call $call's steps sum to $total s > $CALL_MAX s"; bad=1; fi
+    echo "  steps: ${steps}s of limits + $n x ${KILL_GRACE}s kill grace + ${SCRIPT_OWN}s own" \
+         "= $((steps + n * KILL_GRACE + SCRIPT_OWN))s of timeout_s=${CALL_TIMEOUT}s"
+    echo "  returns ${files} files: $(call_returns "$call")"
+    worst=$((STARTUP + CALL_TIMEOUT + WARM_AFTER))
+    total=$((total + worst))
+    echo "  worst case: ${STARTUP}s start-up + ${CALL_TIMEOUT}s timeout_s + ${WARM_AFTER}s held after = ${worst}s"
+    if [ $((steps + n * KILL_GRACE + SCRIPT_OWN)) -gt "$CALL_TIMEOUT" ]; then
+      echo "  ERROR: call $call's steps may run past its timeout_s"; bad=1
+    fi
     if [ "$files" -gt "$MAX_FILES" ]; then echo "  ERROR: call $call returns $files files > $MAX_FILES"; bad=1; fi
   done
+  echo "worst case: ${total}s of device time for $# call(s) (start-up assumed ${STARTUP}s a call:" \
+       "the device README's 1 to 2 minutes) vs the budget ${BUDGET}s less ${SPARE}s spare" \
+       "= $((BUDGET - SPARE))s: $([ "$total" -le $((BUDGET - SPARE)) ] && echo fits || echo 'DOES NOT FIT')"
+  [ "$total" -le $((BUDGET - SPARE)) ] || bad=1
   return $bad
 }
 
+usage() { echo "usage: $0 --call 1|2 [--only STEP,...] | --dry-run [--call 1|2]" >&2; exit 2; }
+
 # --- arguments -------------------------------------------------------------------------------------
-CALL="" DRY=0
+CALL="" DRY=0 ONLY=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --call) CALL=${2:-}; shift 2 ;;
+    --call) CALL=${2:-}; shift 2 || usage ;;
+    --only) ONLY=${2:-}; shift 2 || usage ;;
     --dry-run) DRY=1; shift ;;
-    *) echo "usage: $0 --call 1|2|3 [--dry-run] | --dry-run" >&2; exit 2 ;;
+    *) usage ;;
   esac
 done
 if [ "$DRY" = 1 ]; then
-  if [ -n "$CALL" ]; then dry_run "$CALL"; else dry_run 1 2 3; fi
+  if [ -n "$CALL" ]; then dry_run "$CALL"; else dry_run $CALLS; fi
   exit $?
 fi
-case $CALL in 1|2|3) ;; *) echo "usage: $0 --call 1|2|3 [--dry-run] | --dry-run" >&2; exit 2 ;; esac
+case $CALL in 1|2) ;; *) usage ;; esac
+for name in ${ONLY//,/ }; do
+  call_steps "$CALL" | grep -q "^$name " || { echo "--only: call $CALL has no step $name" >&2; exit 2; }
+done
 
 # --- the environment every step sees -----------------------------------------------------------------
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -119,17 +159,16 @@ export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-30000}
 # torch symmetric memory, for the multi-process smoke only: the CUDA backend (NVSHMEM cannot host
 # several ranks on one GPU), and several ranks per device allowed. env.txt records what took.
 export TORCH_SYMMMEM=CUDA TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
-# The Triton cache travels from call 1 to calls 2 and 3: binaries and metadata only (no IRs), so its
-# tarball stays under what a returned file may hold. Its index holds absolute paths: a call whose
-# checkout sits elsewhere recompiles (slower, still correct).
-export TRITON_CACHE_DIR=$PWD/$CARRY/triton_cache TRITON_STORE_BINARY_ONLY=1
+# The Triton cache travels from call 1 to call 2: binaries and metadata only (no IRs), so its
+# tarball stays under what a returned file may hold.
+export TRITON_CACHE_DIR=$TRITON_CACHE TRITON_STORE_BINARY_ONLY=1
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
 SANITIZER="${SANITIZER:-compute-sanitizer} --target-processes all --error-exitcode 9 --print-limit 50"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr ' ' '-')
 RES=${GPU_CHECK_RESULTS:-benchmarks/results}/$(date -u +%Y-%m-%d)_${GPU:-no-gpu}/call$CALL
 mkdir -p "$RES"
 : > "$RES/summary.txt"
-export PY PYTEST SANITIZER RES OUT CARRY SO_GLOB
+export PY PYTEST BENCH SANITIZER RES OUT CARRY
 status=0
 
 # --- step bodies (functions run by name, in a child bash) ---------------------------------------------
@@ -162,32 +201,51 @@ PYEOF
   cat "$RES/env.txt"
 }
 
-gpu_build() {  # a build that skips the extension fails (PYFUSED_REQUIRE_EXT=1)
-  mkdir -p "$CARRY"
-  PYFUSED_REQUIRE_EXT=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MAX_JOBS:-16} \
-    $PY -m pip install --no-build-isolation --no-deps --no-index -e . || return 1
-  local so; so=$(ls pyfused/$SO_GLOB) || return 1
-  ls -l "$so"
-  cp "$so" "$OUT/"
+extension_name() {  # the file name of pyfused._C for this Python (its tag: _C.cpython-312-...so)
+  local suffix
+  suffix=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX") or "")' 2>/dev/null)
+  [ -n "$suffix" ] || { echo "cannot ask $PY for its extension suffix" >&2; return 1; }
+  echo "_C$suffix"
 }
 
-gpu_pack_cache() {  # the Triton cache, for calls 2 and 3 (a returned file may have 16 MiB)
-  tar czf "$OUT/triton_cache.tar.gz" -C "$CARRY" triton_cache || return 1
+check_extension() {  # the extension loads and agrees with the Python side's layout
+  $PY -c "import pyfused._C, torch; from pyfused.comm.symmetric import check_layout; check_layout(); print('pyfused._C ok; ops:', sorted(n for n in dir(torch.ops.pyfused) if not n.startswith('_')))"
+}
+
+gpu_build() {  # a build that skips the extension fails (PYFUSED_REQUIRE_EXT=1)
+  local so; so=pyfused/$(extension_name) || return 1
+  PYFUSED_REQUIRE_EXT=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MAX_JOBS:-16} \
+    $PY -m pip install --no-build-isolation --no-deps --no-index -e . || return 1
+  ls -l "$so" || return 1
+  cp "$so" "$OUT/"
+  check_extension
+}
+
+gpu_pack_cache() {  # the Triton cache, for call 2 (a returned file may have 16 MiB)
+  tar czf "$OUT/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . || return 1
   local bytes; bytes=$(stat -c %s "$OUT/triton_cache.tar.gz")
-  echo "triton_cache.tar.gz: $bytes bytes"
+  echo "triton_cache.tar.gz: $bytes bytes, $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
   [ "$bytes" -lt $((15 << 20)) ] || { echo "over 15 MiB: it would not come back"; return 1; }
 }
 
-gpu_install() {  # the carried extension and cache; pip only maps the package (no CUDA build)
-  local so; so=$(ls $CARRY/$SO_GLOB 2>/dev/null | head -n 1)
-  [ -n "$so" ] || { echo "no $CARRY/$SO_GLOB: copy call 1's returned files into $CARRY/"; return 1; }
-  cp "$so" pyfused/
-  [ ! -f "$CARRY/triton_cache.tar.gz" ] || tar xzf "$CARRY/triton_cache.tar.gz" -C "$CARRY"
-  PYFUSED_SKIP_CUDA_BUILD=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . -q || return 1
-  $PY -c "import pyfused._C; from pyfused.comm.symmetric import check_layout; check_layout(); print('pyfused._C ok')"
-  echo "triton cache entries: $(ls "$TRITON_CACHE_DIR" 2>/dev/null | wc -l)"
+gpu_unpack_cache() {  # call 1's Triton cache at the path it was made at
+  [ -f "$CARRY/triton_cache.tar.gz" ] || {
+    echo "no $CARRY/triton_cache.tar.gz: the kernels compile again (slower, still correct)"; return 1; }
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$CARRY/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" || return 1
+  echo "triton cache entries: $(ls "$TRITON_CACHE_DIR" | wc -l) in $TRITON_CACHE_DIR"
 }
-export -f gpu_env gpu_build gpu_pack_cache gpu_install
+
+gpu_install() {  # the carried extension built for this Python; pip only maps the package
+  local name; name=$(extension_name) || return 1
+  [ -f "$CARRY/$name" ] || {
+    echo "no $CARRY/$name (for $($PY -V 2>&1)); $CARRY holds: $(ls "$CARRY" 2>/dev/null | tr '\n' ' ')"
+    echo "copy call 1's returned files into $CARRY/"; return 1; }
+  echo "carried extension: $CARRY/$name"
+  cp "$CARRY/$name" pyfused/ || return 1
+  PYFUSED_SKIP_CUDA_BUILD=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . -q || return 1
+  check_extension
+}
+export -f gpu_env extension_name check_extension gpu_build gpu_pack_cache gpu_unpack_cache gpu_install
 
 collect() {  # logs, summary and the results tarball to $OUT (after every step and on exit)
   cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
@@ -201,7 +259,7 @@ run_step() {  # run_step NAME LIMIT CMD: time-limited, logged, recorded, collect
   local name=$1 limit=$2 cmd=$3 t0 rc
   t0=$(date +%s)
   echo "== $name (limit ${limit}s): $cmd"
-  timeout --kill-after=10 "$limit" bash -c "$cmd" < /dev/null > "$RES/$name.log" 2>&1
+  timeout --kill-after=$KILL_GRACE "$limit" bash -c "$cmd" < /dev/null > "$RES/$name.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || status=1
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "(timed out after ${limit}s)" >> "$RES/$name.log"
@@ -214,6 +272,6 @@ run_step() {  # run_step NAME LIMIT CMD: time-limited, logged, recorded, collect
 echo "call $CALL: $(call_purpose "$CALL")" | tee -a "$RES/summary.txt"
 while read -r name limit cmd; do
   [ -n "$name" ] && run_step "$name" "$limit" "$cmd"
-done < <(call_steps "$CALL")
+done < <(selected_steps "$CALL")
 cat "$RES/summary.txt"
 exit $status
