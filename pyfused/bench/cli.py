@@ -245,7 +245,7 @@ def _run_recorded(mod, ctx: BenchContext, name: str, rows_file: Optional[Path],
     """``mod.run(ctx)`` with its rows appended to ``rows_file`` (rank 0; None elsewhere) as they are
     measured and no measurement started after ``budget_s``; the finished rows, which then replace
     the streamed ones in the file."""
-    start_meta = harness.metadata(ctx)
+    start_meta = harness.metadata(ctx) if rows_file is not None else {}
     recorder = harness.SuiteRecorder(rows_file, lambda r: _finish_row(r, name, ctx, start_meta),
                                      budget_s)
     harness.recorder = recorder
