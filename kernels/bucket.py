@@ -63,14 +63,23 @@ def choose_config(target: str, elem_size: int) -> BucketCopyConfig:
 @triton.jit
 def segment_copy_scale_kernel(src_table_ptr, dst_table_ptr, numel_ptr, blk_seg_ptr, blk_start_ptr,
                               scale, SRC_T: tl.constexpr, DST_T: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    """``dst_s[i] = cast(fp32(src_s[i]) * scale)`` for one BLOCK of one segment; see the module doc."""
+                              BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """``dst_s[i] = cast(fp32(src_s[i]) * scale)`` for one BLOCK of one segment; see the module doc.
+
+    ALIGN > 1 claims what the launcher checked: every address in both tables is 16-byte aligned and
+    every ``numel[s]`` is a multiple of ALIGN elements (16 bytes of the narrower side). The masks
+    are then constant over ALIGN elements and accesses compile to 16-byte vectors. ALIGN = 1 claims
+    nothing: element-wise accesses, any address and length."""
     pid = tl.program_id(0)
     seg = tl.load(blk_seg_ptr + pid)
-    start = tl.load(blk_start_ptr + pid)
+    start = tl.multiple_of(tl.load(blk_start_ptr + pid), BLOCK)  # blocks start at multiples of BLOCK
     n = tl.load(numel_ptr + seg)
     src = tl.load(src_table_ptr + seg).to(tl.pointer_type(SRC_T))
     dst = tl.load(dst_table_ptr + seg).to(tl.pointer_type(DST_T))
+    if ALIGN > 1:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        n = tl.multiple_of(n, ALIGN)
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)

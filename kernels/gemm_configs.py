@@ -37,34 +37,43 @@ class GemmConfig:
 # two ranks whose devices report different counts (MIG, a mixed node) still agree on the tiles.
 NOMINAL_SMS = {"sm_80": 108, "sm_90": 132, "interpreter": 4}
 
-# arch -> dtype class -> (large, medium, small-M) tile.
+# arch -> dtype class -> (large, medium, small-M, unaligned) tile.
 # * 16-bit: fp16/bf16 through tensor cores.  sm_90: 128x256x64, 3 stages = 144 KiB of shared memory
 #   (of 227); sm_80: BLOCK_K 32 keeps 3 stages of 128x256 in 72 KiB (of 164).
 # * tf32: fp32 inputs with allow_tf32; ieee: exact fp32 (FMA path, small tiles).
-_TABLE: Dict[str, Dict[str, Tuple[GemmConfig, GemmConfig, GemmConfig]]] = {
+# * unaligned: K or N not a multiple of ALIGN_ELEMS (see choose_gemm_config).
+_UNALIGNED = GemmConfig(64, 64, 16, 8, 4, 3)
+_TABLE: Dict[str, Dict[str, Tuple[GemmConfig, GemmConfig, GemmConfig, GemmConfig]]] = {
     "sm_90": {
         "16bit": (GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
-                  GemmConfig(64, 128, 64, 8, 4, 4)),
+                  GemmConfig(64, 128, 64, 8, 4, 4), _UNALIGNED),
         "tf32": (GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 64, 32, 8, 4, 4),
-                 GemmConfig(64, 64, 32, 8, 4, 4)),
-        "ieee": (GemmConfig(64, 64, 32, 8, 4, 3),) * 3,
+                 GemmConfig(64, 64, 32, 8, 4, 4), _UNALIGNED),
+        "ieee": (GemmConfig(64, 64, 32, 8, 4, 3),) * 3 + (_UNALIGNED,),
     },
     "sm_80": {
         "16bit": (GemmConfig(128, 256, 32, 8, 8, 3), GemmConfig(128, 128, 32, 8, 4, 4),
-                  GemmConfig(64, 64, 32, 8, 4, 4)),
+                  GemmConfig(64, 64, 32, 8, 4, 4), _UNALIGNED),
         "tf32": (GemmConfig(128, 128, 32, 8, 8, 3), GemmConfig(128, 64, 32, 8, 4, 4),
-                 GemmConfig(64, 64, 32, 8, 4, 4)),
-        "ieee": (GemmConfig(64, 64, 32, 8, 4, 3),) * 3,
+                 GemmConfig(64, 64, 32, 8, 4, 4), _UNALIGNED),
+        "ieee": (GemmConfig(64, 64, 32, 8, 4, 3),) * 3 + (_UNALIGNED,),
     },
     # CPU tensors run in the Triton interpreter: big tiles mean fewer (slow) interpreted steps.
     "interpreter": {
-        "16bit": (GemmConfig(64, 64, 64, 4),) * 3,
-        "tf32": (GemmConfig(64, 64, 64, 4),) * 3,
-        "ieee": (GemmConfig(64, 64, 64, 4),) * 3,
+        "16bit": (GemmConfig(64, 64, 64, 4),) * 4,
+        "tf32": (GemmConfig(64, 64, 64, 4),) * 4,
+        "ieee": (GemmConfig(64, 64, 64, 4),) * 4,
     },
 }
 
 SMALL_M = 64  # chunks of at most this many rows use the small-M tile
+# Rows of A [M, K] and of a weight [N, K] (or of B [K, N] and C [M, N]) start 16-byte aligned, as
+# far as Triton can tell, only when K (N) is a multiple of 16 elements: it then loads them as 16-byte
+# cp.async vectors. Otherwise each element is loaded on its own, with its own 64-bit address kept in
+# registers across the K loop, and the table's tiles reach the 255-register cap and spill (ptxas,
+# sm_90a, triton 3.8: 1024 bytes at 128x256x64, 472 at 64x128x64). The unaligned tile holds few
+# elements per thread (64x64x16: 118-168 registers, no spill on sm_80 / sm_90a, triton 3.6 / 3.8).
+ALIGN_ELEMS = 16
 
 
 def arch_of(device: torch.device) -> str:
@@ -92,12 +101,14 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, nu
                        allow_tf32: bool = False) -> GemmConfig:
     """The table's config for this call; deterministic in its arguments (see the module docstring).
 
-    Rule: chunks of <= SMALL_M rows take the small tile. Otherwise the large tile, unless its last
-    wave of tiles would leave more than a quarter of the (nominal) SMs idle and the medium tile
-    fills the waves better."""
+    Rule: K or N not a multiple of ALIGN_ELEMS takes the unaligned tile; chunks of <= SMALL_M rows
+    take the small tile. Otherwise the large tile, unless its last wave of tiles would leave more
+    than a quarter of the (nominal) SMs idle and the medium tile fills the waves better."""
     if arch not in _TABLE:
         raise ValueError(f"no GEMM config table for arch {arch!r}; known: {sorted(_TABLE)}")
-    large, medium, small = _TABLE[arch][dtype_class(dtype, allow_tf32)]
+    large, medium, small, unaligned = _TABLE[arch][dtype_class(dtype, allow_tf32)]
+    if k % ALIGN_ELEMS or n % ALIGN_ELEMS:
+        return unaligned
     chunk_rows = -(-m // num_chunks)
     if chunk_rows <= SMALL_M:
         return small
@@ -112,11 +123,17 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, nu
     return medium
 
 
+def selectable_configs(arch: str, dtype: torch.dtype, allow_tf32: bool = False) -> List[GemmConfig]:
+    """Every config ``choose_gemm_config`` can return for this arch and dtype (the compile check,
+    benchmarks/hopper_compile.py, compiles each)."""
+    return list(dict.fromkeys(_TABLE[arch][dtype_class(dtype, allow_tf32)]))
+
+
 def autotune_candidates(arch: str, dtype: torch.dtype, allow_tf32: bool = False) -> List[GemmConfig]:
     """Configs ``triton.autotune`` times for the plain (non-collective) GEMM: the table's entries for
     the arch plus two common alternatives."""
     cls = dtype_class(dtype, allow_tf32)
-    out = list(dict.fromkeys(_TABLE[arch][cls]))
+    out = list(dict.fromkeys(_TABLE[arch][cls][:3]))  # the unaligned tile only serves unaligned K, N
     if cls == "16bit" and arch != "interpreter":
         bk = 64 if arch == "sm_90" else 32
         out += [GemmConfig(256, 128, bk, 8, 8, 3), GemmConfig(128, 128, bk, 8, 4, 3)]

@@ -3,20 +3,19 @@ pyfused.ops.reduce).
 
 On CPU the kernel runs in the Triton interpreter with sources given as a pointer table of CPU
 tensors (the interpreter dereferences the raw host addresses; ``test_pointer_table_*`` pins that
-down) and flags pre-set. bf16, late flags and timing are GPU tests; ``test_compiles_for_gpus``
-compiles the GPU variants for sm_80 / sm_90 on any machine.
+down) and flags pre-set. bf16, late flags and timing are GPU tests; tests/test_hopper_compile.py
+compiles the GPU variants for sm_90a (and sm_80) on any machine.
 
 Grid sizes: each launch takes ~0.1-0.5 s in the interpreter; the epilogue matrix runs on one odd
 shape (97 x 1025) with P in {1, 3}, the wait/order matrix on a smaller one.
 """
-import re
-
 import pytest
 import torch
 
-from pyfused.kernels.reduce_configs import MAX_NORM_HIDDEN, ReduceConfig
+from pyfused.kernels.reduce_configs import (
+    MAX_NORM_HIDDEN, MAX_NORM_HIDDEN_FP32, ReduceConfig, choose_reduce_config,
+)
 from pyfused.ops.reduce import PointerTable, WaitTimeout, multi_source_reduce, reduce_ref
-from tests.test_gemm import SHARED_LIMIT, aot_compile, run_aot
 from tests.utils import assert_close
 
 CPU_DTYPES = (torch.float32, torch.float16)
@@ -138,8 +137,11 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="non-empty chunks"):
         multi_source_reduce(srcs, num_chunks=6)  # 10 rows -> 2, 2, 2, 2, 2, 0
     with pytest.raises(ValueError, match="at most"):
-        big = [torch.empty(1, MAX_NORM_HIDDEN + 1)]
-        multi_source_reduce(big, weight=torch.ones(MAX_NORM_HIDDEN + 1))
+        big = [torch.empty(1, MAX_NORM_HIDDEN + 1, dtype=torch.float16)]
+        multi_source_reduce(big, weight=torch.ones(MAX_NORM_HIDDEN + 1, dtype=torch.float16))
+    with pytest.raises(ValueError, match=f"at most {MAX_NORM_HIDDEN_FP32} torch.float32"):
+        big = [torch.empty(1, MAX_NORM_HIDDEN_FP32 + 1)]
+        multi_source_reduce(big, weight=torch.ones(MAX_NORM_HIDDEN_FP32 + 1))
     with pytest.raises(TypeError, match="sequence of tensors"):
         multi_source_reduce(torch.stack(srcs))
 
@@ -187,44 +189,21 @@ def test_persistent_grid_covers_every_tile(programs):
     with pytest.raises(ValueError, match="num_programs"):
         multi_source_reduce(srcs, num_programs=0)
 
-# ------------------------------------------------------------------------------------------------
-# GPU variants compiled ahead of time (no GPU needed)
-# ------------------------------------------------------------------------------------------------
+def test_config_choice():
+    """The chooser's rules (kernels/reduce_configs.py): a whole row per tile with RMSNorm, fp32
+    sources take half a step on a GPU, at most 32 elements per thread (32 warps for 32768), and
+    the longest row depends on the sources' element size."""
+    def cfg(n, dtype, arch="sm_90", rmsnorm=True):
+        return choose_reduce_config(8192, n, 8, dtype, arch, 8, rmsnorm=rmsnorm)
 
-def reduce_aot_summaries():
-    """Run in a subprocess without TRITON_INTERPRET (see test_compiles_for_gpus)."""
-    from pyfused.kernels.reduce import multi_source_reduce_kernel
-    from pyfused.kernels.reduce_configs import choose_reduce_config
-
-    out = []
-    for cc, arch in ((80, "sm_80"), (90, "sm_90")):
-        for p, wait in ((8, True), (2, False)):
-            cfg = choose_reduce_config(8192, 8192, p, torch.bfloat16, arch, 8, rmsnorm=True)
-            types = dict(src_table_ptr="*i64", out_ptr="*bf16", residual_ptr="*bf16",
-                         res_out_ptr="*bf16", weight_ptr="*bf16", flags_ptr="*i32",
-                         order_ptr="*i32", status_ptr="*i32", eps="fp32")
-            consts = dict(P=p, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WAIT=wait, HAS_ORDER=wait,
-                          HAS_RESIDUAL=True, WRITE_RESIDUAL=True, RMSNORM=True, ALIGNED_SRC=True,
-                          FLAG_SCOPE="sys", WALL_CLOCK=True)
-            aligned = [k for k in types if k != "eps"] + [
-                "N", "stride_src", "stride_out", "stride_res", "stride_res_out"]
-            s = aot_compile(multi_source_reduce_kernel, cc, consts, types, aligned, cfg.num_warps)
-            s.update(cc=cc, p=p, wait=wait, config=str(cfg))
-            out.append(s)
-    return out
-
-
-def test_compiles_for_gpus():
-    """hidden 8192, bf16, P = 8 with waits and P = 2 without: compiles for sm_80 / sm_90 without
-    spills, sources loaded as 16-byte vectors, acquire loads of the flags only when waiting."""
-    for s in run_aot(__name__, "reduce_aot_summaries"):
-        what = f"sm_{s['cc']} P={s['p']} wait={s['wait']} {s['config']}"
-        assert s["ptxas_rc"] == 0 and s["shared"] <= SHARED_LIMIT[s["cc"]], what
-        assert s["spill_stores"] == 0, f"{what}: {s['spill_stores']} bytes of spills"
-        assert "ld.global.v4.b32" in s["ops"], f"{what}: loads not vectorized: {s['ops']}"
-        acquire = any(re.match(r"(ld|atom)\.global\.sys\.acquire", op) for op in s["ops"])
-        assert acquire == s["wait"], f"{what}: {s['ops']}"
-        assert s["globaltimer"] == s["wait"], f"{what}: the wait is not bounded by the wall clock"
+    assert (cfg(4096, torch.bfloat16).block_m, cfg(4096, torch.bfloat16).block_n) == (2, 4096)
+    assert (cfg(4096, torch.float32).block_m, cfg(4096, torch.float32).block_n) == (1, 4096)
+    assert cfg(4096, torch.float32, arch="interpreter").block_m == 4
+    assert cfg(MAX_NORM_HIDDEN, torch.bfloat16).num_warps == 32
+    assert cfg(MAX_NORM_HIDDEN_FP32, torch.float32).num_warps == 16
+    assert cfg(8192, torch.bfloat16, rmsnorm=False).block_n == 4096
+    with pytest.raises(ValueError, match="at most"):
+        cfg(MAX_NORM_HIDDEN_FP32 + 1, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ tested against (tests/test_ddp_kernels.py).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -77,21 +78,32 @@ class CopyPlan:
                 seg.append(s)
                 start.append(st)
         self.num_blocks = len(seg)
+        # Every segment's length is a multiple of this (0 for no segments): the kernel's 16-byte
+        # vector form needs a multiple of 16 bytes of the narrower dtype (see ``alignment``).
+        self.numel_gcd = math.gcd(*self.numels)
         self.numel_t = _to_device(self.numels, self.device)
         self.blk_seg = _to_device(seg, self.device, torch.int32)
         self.blk_start = _to_device(start, self.device)
         # Address tables by role, reused while the addresses repeat (the caching allocator usually
-        # hands gradients the same blocks every step, so this saves an H2D copy per launch).
-        self._tables: Dict[str, Tuple[Tuple[int, ...], Tensor]] = {}
+        # hands gradients the same blocks every step, so this saves an H2D copy per launch), with
+        # whether every address in them is 16-byte aligned.
+        self._tables: Dict[str, Tuple[Tuple[int, ...], Tensor, bool]] = {}
 
-    def table(self, role: str, addrs: Sequence[int]) -> Tensor:
+    def table(self, role: str, addrs: Sequence[int]) -> Tuple[Tensor, bool]:
+        """The device table of ``addrs`` and whether all of them are 16-byte aligned."""
         key = tuple(addrs)
         cached = self._tables.get(role)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        t = _to_device(key, self.device)
-        self._tables[role] = (key, t)
-        return t
+        if cached is None or cached[0] != key:
+            cached = (key, _to_device(key, self.device), all(a % 16 == 0 for a in key))
+            self._tables[role] = cached
+        return cached[1], cached[2]
+
+    def alignment(self, src_dtype: torch.dtype, dst_dtype: torch.dtype, addresses_aligned: bool) -> int:
+        """The kernel's ALIGN: the elements in 16 bytes of the narrower dtype when every address is
+        16-byte aligned and every segment's length is a multiple of that count (16-byte vector
+        accesses are then exact), else 1 (element-wise accesses)."""
+        vec = 16 // min(src_dtype.itemsize, dst_dtype.itemsize)
+        return vec if addresses_aligned and self.numel_gcd % vec == 0 else 1
 
 
 def _to_device(values: Sequence[int], device: torch.device, dtype=torch.int64) -> Tensor:
@@ -110,11 +122,12 @@ def _launch(plan: CopyPlan, role: str, src_addrs: List[int], dst_addrs: List[int
         return
     # One cache entry per (direction, side): flatten runs on the comm stream and unflatten on the
     # compute stream, so each table is only ever allocated and read on one stream.
-    src_t = plan.table(role + ".src", src_addrs)
-    dst_t = plan.table(role + ".dst", dst_addrs)
+    src_t, src_aligned = plan.table(role + ".src", src_addrs)
+    dst_t, dst_aligned = plan.table(role + ".dst", dst_addrs)
     segment_copy_scale_kernel[(plan.num_blocks,)](
         src_t, dst_t, plan.numel_t, plan.blk_seg, plan.blk_start, float(scale),
         SRC_T=_tl_dtype(src_dtype), DST_T=_tl_dtype(dst_dtype), BLOCK=plan.config.block,
+        ALIGN=plan.alignment(src_dtype, dst_dtype, src_aligned and dst_aligned),
         num_warps=plan.config.num_warps)
 
 
