@@ -26,7 +26,9 @@ Schedule (hooks; the unit whose forward runs first is the root, which owns the i
 
 Gradient accumulation: ``set_requires_gradient_sync(False)`` (or ``with no_sync(model)``) keeps
 the gathered parameters and accumulates unsharded gradients across micro-steps -- nothing is
-resharded or reduced -- and the next synchronising backward reduce-scatters their sum once. A
+resharded or reduced -- and the next synchronising backward reduce-scatters their sum once. As in
+FSDP2, the sum is kept in the reduce dtype when it differs from the compute dtype: each backward's
+gradient is cast and added when the unit's backward (or the whole backward) ends. A
 unit's forward and backward calls are counted from the end of its last synchronising backward, so
 the micro-steps' forwards and backwards may interleave (a pipeline schedule's 1F1B): the
 synchronising backward reduces a unit when its backward calls have caught up with all of them.
@@ -115,6 +117,9 @@ class Tree:
         run (inputs without gradient) and closes their accumulation window; an accumulating one
         leaves the counts alone, so that the window's forwards are all matched at its sync."""
         self.callback_queued = False
+        for u in self.units:
+            if not u.sync:  # the units whose post-backward did not run (the root of token ids)
+                u.group.accumulate_grads()
         for u in reversed(self.order):
             if u.sync and u.backward_calls < u.forward_calls:
                 u.post_backward(final=True)
@@ -227,6 +232,8 @@ class Unit:
 
     def post_backward(self, final: bool = False) -> None:
         self.backward_calls += 1
+        if not self.sync:  # this backward's gradients join the micro-steps' sum (group.py)
+            self.group.accumulate_grads()
         if self.backward_calls < self.forward_calls and not final:
             return  # the module ran several times in forward; wait for its last backward
         self.backward_calls = self.forward_calls

@@ -23,11 +23,19 @@ a small second buffer, is reduce-scattered in the same coalesced call, so every 
 sum of the flags: a parameter no rank produced a gradient for keeps its sharded ``.grad`` untouched
 (None after ``zero_grad``), as torch's FSDP leaves an unused parameter's gradient. The flags live
 in their own buffer so that the gradients' storage is exactly the padded shards, as FSDP2's is.
+
+Accumulation without sync. When the reduce dtype differs from the compute dtype (bf16 compute,
+fp32 reduction), FSDP2 casts each backward's gradient to the reduce dtype and sums the micro-steps
+there; here the sum lives in the reduce-scatter's own input layout (``accumulated``, unscaled):
+the first gradient of a parameter is copied in, the later ones added, each backward's gradient
+leaving the leaf as soon as it is folded in. The synchronising backward adds its gradient, scales
+the buffer by 1/world and reduce-scatters it in place of a fresh buffer. With equal dtypes
+autograd sums the micro-steps on the leaves, as in FSDP2.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -114,15 +122,10 @@ class ShardedParam:
     def rank_rows(self, r: int) -> int:
         return max(0, min(self.chunk, self.rows - r * self.chunk))
 
-    def scatter_rows(self, dst: Tensor, src: Tensor, scale: Optional[float] = None) -> None:
+    def scatter_rows(self, dst: Tensor, src: Tensor, put: Callable[[Tensor, Tensor], object]
+                     = Tensor.copy_) -> None:
         """``dst`` ``[world, chunk, *rest]`` (padded layout) <-> ``src`` ``[rows, *rest]``:
-        dst[r, :n_r] = src[r*chunk : r*chunk + n_r], times ``scale`` if given (in the same pass)."""
-        def put(d: Tensor, s: Tensor) -> None:
-            if scale is None:
-                d.copy_(s)
-            else:
-                torch.mul(s, scale, out=d)
-
+        ``put(dst[r, :n_r], src[r*chunk : r*chunk + n_r])`` (a copy, an add, a scaled copy)."""
         if self.rows == self.chunk * self.world:
             put(dst, src.view(dst.shape))
             return
@@ -166,6 +169,11 @@ class ParamGroup:
             off += params[i].padded
         self.grad_numel = off
         self.leaf_nbytes = sum(p.leaf_nbytes for p in params)
+        # the micro-steps without sync sum their gradients in the reduce dtype when it is not the
+        # gradients' own (module docstring); None: autograd sums them on the leaves
+        self.accumulate_dtype = reduce_dtype if reduce_dtype != compute_dtype else None
+        self.accumulated: Optional[Tensor] = None  # [world, grad_numel], unscaled
+        self.accumulated_has: List[bool] = []      # per trainable parameter: a gradient added
         self.state = SHARDED
         self._gather: Optional[tuple] = None
         self.gathers = 0  # all-gathers launched (tests: resharded units are gathered again)
@@ -234,33 +242,82 @@ class ParamGroup:
         return self.leaf_nbytes if self.state == UNSHARDED else 0
 
     # ---- reduce --------------------------------------------------------------------------------
+    def _grad_region(self, buf: Tensor, i: int, off: int) -> Tensor:
+        p = self.params[i]
+        return buf[:, off:off + p.padded].view(self.world, p.chunk, *p.rest)
+
     @torch.no_grad()
-    def start_reduce(self):
-        """Launch the reduce-scatter of the leaves' gradients (asynchronous) and release them.
-        Returns a handle for ``finish_reduce``; None when the unit has nothing trainable."""
-        if not self.trainable:
-            return None
-        buf = torch.empty(self.world, self.grad_numel, dtype=self.reduce_dtype, device=self.device)
-        flags = torch.zeros(self.world, len(self.trainable), dtype=self.reduce_dtype,
-                            device=self.device)
-        scale = 1.0 / self.world
-        # scale in the wider of the two dtypes: in the copy into the buffer (before a narrowing
-        # cast, or in the same dtype), else once over the widened buffer
-        in_copy = self.reduce_dtype.itemsize <= self.compute_dtype.itemsize
+    def accumulate_grads(self) -> None:
+        """Fold the leaves' gradients into ``accumulated`` (reduce dtype) and release them: the
+        end of one backward without sync. A no-op when the dtypes are equal."""
+        if self.accumulate_dtype is None or not self.trainable:
+            return
         for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
             p = self.params[i]
             g = p.leaf.grad if p.leaf is not None else None
-            region = buf[:, off:off + p.padded].view(self.world, p.chunk, *p.rest)
             if g is None:
+                continue
+            if self.accumulated is None:
+                self.accumulated = torch.empty(self.world, self.grad_numel,
+                                               dtype=self.accumulate_dtype, device=self.device)
+                self.accumulated_has = [False] * len(self.trainable)
+            region = self._grad_region(self.accumulated, i, off)
+            if self.accumulated_has[j]:
+                p.scatter_rows(region, g, Tensor.add_)
+            else:
+                if p.rows != p.chunk * self.world:
+                    region.zero_()  # the padding rows
+                p.scatter_rows(region, g)
+                self.accumulated_has[j] = True
+            p.leaf.grad = None
+
+    def _reduce_input(self) -> Tuple[Tensor, Tensor]:
+        """The reduce-scatter's input, scaled by 1/world: the leaves' gradients (released), added
+        to what backwards without sync accumulated; and the "has a gradient" flags."""
+        scale = 1.0 / self.world
+        if self.accumulated is not None:
+            self.accumulate_grads()
+            buf, has = self.accumulated, self.accumulated_has
+            self.accumulated, self.accumulated_has = None, []
+            in_copy = False  # the sum is already in the reduce dtype: scaled there, once
+        else:
+            buf = torch.empty(self.world, self.grad_numel, dtype=self.reduce_dtype,
+                              device=self.device)
+            has = [False] * len(self.trainable)
+            # scale in the wider of the two dtypes: in the copy into the buffer (before a
+            # narrowing cast, or in the same dtype), else once over the widened buffer
+            in_copy = self.reduce_dtype.itemsize <= self.compute_dtype.itemsize
+
+        def scaled_copy(d: Tensor, s: Tensor) -> None:
+            torch.mul(s, scale, out=d)
+
+        flags = torch.zeros(self.world, len(self.trainable), dtype=self.reduce_dtype,
+                            device=self.device)
+        for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
+            p = self.params[i]
+            g = p.leaf.grad if p.leaf is not None else None
+            region = self._grad_region(buf, i, off)
+            if g is not None:
+                if p.rows != p.chunk * self.world:
+                    region.zero_()  # the padding rows
+                p.scatter_rows(region, g, scaled_copy if in_copy else Tensor.copy_)
+                has[j] = True
+                p.leaf.grad = None
+            elif not has[j]:
                 region.zero_()
                 continue
-            if p.rows != p.chunk * self.world:
-                region.zero_()  # the padding rows
-            p.scatter_rows(region, g, scale if in_copy else None)
             flags[:, j] = 1.0
-            p.leaf.grad = None
         if not in_copy:
             buf.mul_(scale)
+        return buf, flags
+
+    @torch.no_grad()
+    def start_reduce(self):
+        """Launch the reduce-scatter of the unit's gradients (asynchronous; ``_reduce_input``).
+        Returns a handle for ``finish_reduce``; None when the unit has nothing trainable."""
+        if not self.trainable:
+            return None
+        buf, flags = self._reduce_input()
         if self.world == 1:
             return (None, buf.view(-1), flags.view(-1))
         out = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
