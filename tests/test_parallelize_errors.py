@@ -71,6 +71,14 @@ def _auto_plan_with(family, styles):
     return kwargs
 
 
+def _gpt2_attention_replicated(rank):
+    """GPT-2's attention replicated as a whole (its projections take that style too)."""
+    from pyfused.parallelize import auto_plan
+
+    plan = {k: v for k, v in auto_plan(build("gpt2")).items() if ".attn" not in k}
+    return {"plan": {**plan, "transformer.h.*.attn": "replicate"}}
+
+
 def _llama_norms_replicated_on_last_rank(rank):
     """A plan that is valid on every rank, but not the same on every rank (2 x 2 mesh)."""
     from pyfused.parallelize import auto_plan
@@ -136,6 +144,12 @@ CASES = {
     "interleaved_qkv": (_gpt_neox, _auto_plan_with(
         "gpt_neox", {"gpt_neox.layers.*.attention.query_key_value": "colwise_qkv"}),
                         "gpt_neox's fused projection interleaves q, k and v per head"),
+    # inside the sequence-parallel region a replicated module runs on the sequence shard: right for
+    # a norm or an MLP (tests/test_parallelize.py), wrong for attention (it mixes positions)
+    "attention_replicated_in_sp_region": (
+        lambda r, w: build("gpt2"), _gpt2_attention_replicated,
+        "transformer.h.0.attn (GPT2Attention) is in the sequence-parallel region under style "
+        "'replicate' of 'transformer.h.0.attn'"),
     "pp_too_deep": (lambda r, w: build("gpt2", n_layer=1), {"mesh": ((4,), ("pp",))},
                     "pp=4 stages but the model has only 3 pipeline units"),
 }

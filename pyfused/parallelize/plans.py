@@ -39,8 +39,12 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
   ``head_shared``    a module applied to every attention head alike (Qwen3's q_norm / k_norm over
                      head_dim): replicated, but each rank runs it on its own heads only, so its
                      gradients are summed over the TP group (with or without sequence parallelism).
-  ``replicate``      parameters replicated on every TP rank, computed on full tensors (final norm,
-                     position embedding).
+  ``replicate``      parameters replicated on every TP rank. Outside the blocks the module computes
+                     on full tensors (final norm, position embedding). Inside the sequence-parallel
+                     region it runs on the sequence shard, as ``sequence_parallel`` does: right for
+                     per-token modules (a norm, a whole MLP), whose parameters' gradients are then
+                     summed over the TP group (Megatron's rule for parameters in the region); an
+                     attention module there is refused (it would attend over its shard only).
   ``blocks``         the ``nn.ModuleList`` of decoder blocks: the sequence-parallel region and the
                      unit the pipeline splitter cuts.
 
@@ -60,6 +64,8 @@ ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
 NORM_STYLES = ("colwise_norm", "colwise_norm_kv")
 STYLES = LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES + (
     "embedding", "sequence_parallel", "head_shared", "replicate", "blocks")
+# styles whose modules run whole on each rank's sequence shard inside the sequence-parallel region
+SHARD_LOCAL_STYLES = ("sequence_parallel", "replicate")
 
 # transformers model_type -> family. The Llama family: decoder-only models with LlamaAttention's
 # layout (separate q/k/v/o projections, optional q/k/v biases, grouped-query attention) and a
@@ -272,6 +278,12 @@ def _check_module_type(name: str, module: nn.Module, style: str) -> None:
         raise PlanError(f"{name!r}: a vocab-parallel embedding supports neither max_norm nor sparse")
     if style == "blocks" and not isinstance(module, nn.ModuleList):
         raise PlanError(f"{name!r} is a {type(module).__name__}; style 'blocks' needs an nn.ModuleList")
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """Whether the module mixes positions as attention does (transformers names every attention
+    class ``*Attention``: LlamaAttention, GPT2Attention, Phi3Attention, GPTNeoXAttention, ...)."""
+    return type(module).__name__.endswith("Attention")
 
 
 def style_of_param(styles: Dict[str, str], pname: str) -> Optional[Tuple[str, str]]:
