@@ -140,10 +140,16 @@ CASES = {
                        "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
     "weights_differ_2d": (_weights_differ, {"mesh": ((2, 2), ("dp", "tp"))},
                           "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
-    # GPT-NeoX's query_key_value interleaves q, k, v per head: [q|k|v] thirds would be wrong
+    # fused projections under a style that cuts through their layout (every family and style:
+    # tests/test_parallelize_families.py); GPT-NeoX's query_key_value interleaves q, k, v per head
     "interleaved_qkv": (_gpt_neox, _auto_plan_with(
         "gpt_neox", {"gpt_neox.layers.*.attention.query_key_value": "colwise_qkv"}),
-                        "gpt_neox's fused projection interleaves q, k and v per head"),
+                        "'gpt_neox.layers.0.attention.query_key_value' is gpt_neox's fused per-head "
+                        "interleaved [q0 k0 v0 | q1 k1 v1 ...] projection: style 'colwise_qkv'"),
+    "fused_qkv_colwise": (lambda r, w: build("phi3"),
+                          _auto_plan_with("phi3", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
+                          "'model.layers.0.self_attn.qkv_proj' is phi3's fused [q|k|v] projection: "
+                          "style 'colwise' would cut through that layout; give it style 'colwise_qkv'"),
     # inside the sequence-parallel region a replicated module runs on the sequence shard: right for
     # a norm or an MLP (tests/test_parallelize.py), wrong for attention (it mixes positions)
     "attention_replicated_in_sp_region": (

@@ -49,6 +49,13 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
                      unit the pipeline splitter cuts.
 
 Every parameter of the model must be covered by some entry; ``resolve`` says which are not.
+
+The fused projections of the families ``plan="auto"`` knows (``FUSED_PROJECTIONS``: Phi-3's [q|k|v]
+``qkv_proj`` and [gate|up] ``gate_up_proj``, GPT-NeoX's per-head interleaved ``query_key_value``,
+GPT-2's [q|k|v] ``c_attn``) take only the style that splits their layout, or ``replicate`` when
+nothing else in their module is sharded (the module then runs whole on every rank); any other style
+would cut through the layout (plain ``colwise`` on [q|k|v] gives the first rank all of q) and is
+refused, naming the projection.
 """
 from __future__ import annotations
 
@@ -81,6 +88,13 @@ BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
                "post_feedforward_layernorm")
 # model types whose fused query_key_value interleaves q, k, v per head ([q0 k0 v0 | q1 k1 v1 ...])
 INTERLEAVED_QKV = ("gpt_neox", "gptj", "bloom", "falcon", "persimmon")
+# (family, projection's own name) -> (its fused layout, the one style that shards that layout)
+FUSED_PROJECTIONS = {
+    ("phi3", "qkv_proj"): ("[q|k|v]", "colwise_qkv"),
+    ("phi3", "gate_up_proj"): ("[gate|up]", "colwise_gate_up"),
+    ("gpt_neox", "query_key_value"): ("per-head interleaved [q0 k0 v0 | q1 k1 v1 ...]", "colwise"),
+    ("gpt2", "c_attn"): ("[q|k|v]", "colwise_qkv"),
+}
 
 # Attention-module attributes that hold a head count or a width proportional to it (checked against
 # transformers 5.x: LlamaAttention reads only head_dim and num_key_value_groups, neither of which
@@ -236,6 +250,7 @@ def resolve(model: nn.Module, plan: Dict[str, str]) -> ResolvedPlan:
             styles[name] = style
     for name, style in styles.items():
         _check_module_type(name, modules[name], style)
+    _check_fused_projections(model, styles)
     blocks = [n for n, s in styles.items() if s == "blocks"]
     if len(blocks) > 1:
         raise PlanError(f"the plan names {len(blocks)} block lists ({blocks}); pyfused supports one")
@@ -284,6 +299,29 @@ def is_attention_module(module: nn.Module) -> bool:
     """Whether the module mixes positions as attention does (transformers names every attention
     class ``*Attention``: LlamaAttention, GPT2Attention, Phi3Attention, GPTNeoXAttention, ...)."""
     return type(module).__name__.endswith("Attention")
+
+
+def _check_fused_projections(model: nn.Module, styles: Dict[str, str]) -> None:
+    """A known fused projection takes the style that shards its layout, or ``replicate`` while
+    nothing else in its module is sharded (module docstring)."""
+    family, model_type = family_of(model)
+    for name, style in styles.items():
+        parent, _, own = name.rpartition(".")
+        known = FUSED_PROJECTIONS.get((family, own))
+        if known is None or style == known[1]:
+            continue
+        layout, right = known
+        what = f"{name!r} is {model_type}'s fused {layout} projection"
+        if style != "replicate":
+            raise PlanError(f"{what}: style {style!r} would cut through that layout; give it style "
+                            f"{right!r}")
+        sharded = [(n, st) for n, st in styles.items() if n != name and (n == parent or n.startswith(
+            parent + ".")) and st in LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES]
+        if sharded:
+            n, st = sharded[0]
+            raise PlanError(f"{what}: it is replicated (full width on every rank) but {n!r} of the same "
+                            f"module is sharded ({st!r}), which expects this rank's share of it; give "
+                            f"it style {right!r}, or replicate the whole {parent!r}")
 
 
 def style_of_param(styles: Dict[str, str], pname: str) -> Optional[Tuple[str, str]]:
