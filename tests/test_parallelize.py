@@ -154,6 +154,52 @@ def test_llama_family_members(ranks, family):
     assert all(ranks.run(2, _tp_matches, family, variants, timeout=240))
 
 
+def _replicated_plans():
+    """Llama's auto plan with parts of the blocks in style 'replicate': the block norms, and the
+    whole MLP (one entry for the module and its three projections; an MoE block, which plan="auto"
+    does not support yet, would be replicated the same way)."""
+    from pyfused.parallelize import auto_plan
+
+    plan = auto_plan(build("llama"))
+    norms = {k: "replicate" if v == "sequence_parallel" else v for k, v in plan.items()}
+    mlp = {**{k: v for k, v in plan.items() if ".mlp." not in k}, "model.layers.*.mlp": "replicate"}
+    return {"norms": norms, "mlp": mlp}
+
+
+def _replicate_in_region(rank, world, variants, overrides):
+    """Replicated modules inside the blocks: with sequence parallelism they run on the sequence
+    shard, and their parameters' gradients are summed over the TP group (as the 'sequence_parallel'
+    norms' are): the full model's gradient on every rank, and the replicas stay equal after a step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    ids, labels = batch()
+    ref, ref_out, ref_grads = reference_step("llama", ids, labels, **overrides)
+    plans = _replicated_plans()
+    for which, sp in variants:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        pm = pyfused.parallelize(build("llama", **overrides), mesh, plan=plans[which], sequence_parallel=sp)
+        tag = f"replicated {which} tp={world} sp={sp} rank {rank}"
+        check_step(pm, ref, ref_out, ref_grads, ids, labels, tag)
+        torch.optim.SGD(pm.parameters(), lr=0.1).step()
+        name = f"model.layers.1.{'mlp.up_proj' if which == 'mlp' else 'input_layernorm'}.weight"
+        param = pm.module.get_parameter(name).detach()
+        every = [torch.empty_like(param) for _ in range(world)]
+        torch.distributed.all_gather(every, param, group=mesh.get_group())
+        assert all(torch.equal(e, every[0]) for e in every), f"replicas of {name} diverged {tag}"
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicate_inside_sequence_parallel_region(ranks, world):
+    # TP=3 (no power of two): 6 heads / 3 KV heads, FFN 45, vocabulary padded; the control without
+    # sequence parallelism once, at TP=2
+    variants = [("norms", True), ("mlp", True)] + ([("mlp", False)] if world == 2 else [])
+    shape = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45} if world == 3 else {}
+    assert all(ranks.run(world, _replicate_in_region, variants, shape, timeout=300))
+
+
 def _kv_replicated(rank, world):
     """8 query heads, 2 KV heads, TP=4: each KV head lives on 2 ranks (the two whose query heads use
     it); the model equals the single-process one, the KV projections' gradients are the sums over

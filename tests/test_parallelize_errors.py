@@ -62,15 +62,36 @@ def _gpt_neox(rank, world):
     return build("gpt_neox")
 
 
-def _neox_plan_as_qkv():
+def _auto_plan_with(family, styles):
+    """Parallelize kwargs for every rank: ``family``'s auto plan with the ``styles`` entries replaced."""
+    def kwargs(rank):
+        from pyfused.parallelize import auto_plan
+
+        return {"plan": {**auto_plan(build(family)), **styles}}
+    return kwargs
+
+
+def _gpt2_attention_replicated(rank):
+    """GPT-2's attention replicated as a whole (its projections take that style too)."""
     from pyfused.parallelize import auto_plan
 
-    plan = auto_plan(_gpt_neox(0, 1))
-    return {**plan, "gpt_neox.layers.*.attention.query_key_value": "colwise_qkv"}
+    plan = {k: v for k, v in auto_plan(build("gpt2")).items() if ".attn" not in k}
+    return {"plan": {**plan, "transformer.h.*.attn": "replicate"}}
+
+
+def _llama_norms_replicated_on_last_rank(rank):
+    """A plan that is valid on every rank, but not the same on every rank (2 x 2 mesh)."""
+    from pyfused.parallelize import auto_plan
+
+    plan = auto_plan(build("llama"))
+    if rank == 3:
+        plan = {k: "replicate" if v == "sequence_parallel" else v for k, v in plan.items()}
+    return {"plan": plan, "mesh": ((2, 2), ("dp", "tp"))}
 
 
 CASES = {
-    # case: (model builder, mesh shape/names, parallelize kwargs, expected words in the message)
+    # case: (model builder, parallelize kwargs (and "mesh": shape, names) or a function of the
+    # rank returning them, expected words in the message)
     "unknown_arch": (_unknown_arch, {}, "plan='auto' does not know OPTForCausalLM"),
     "heads": (lambda r, w: build("llama", num_attention_heads=6, num_key_value_heads=6), {},
               "num_attention_heads=6 is not divisible by the tensor-parallel size 4"),
@@ -83,7 +104,7 @@ CASES = {
     "gpt2_heads": (lambda r, w: build("gpt2", n_head=2), {},
                    "num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
     "differs": (lambda r, w: build("llama", intermediate_size=44 + 4 * (r == w - 1)), {},
-                "the model, the mesh or the options differ between ranks"),
+                "these differ between ranks: the model (parameter and buffer names"),
     "plan_typo": (lambda r, w: build("llama"), {"plan": {"model.layer.*.mlp.up_proj": "colwise"}},
                   "matches no module"),
     "uncovered": (lambda r, w: build("llama"),
@@ -92,7 +113,20 @@ CASES = {
     "bad_style": (lambda r, w: build("llama"), {"plan": {"lm_head": "columnwise"}}, "unknown style 'columnwise'"),
     # on a 2-D mesh the verdict travels along both dims: rank 3 shares no dim group with rank 0
     "differs_2d": (lambda r, w: build("gpt2", n_inner=52 + 4 * (r == 3)), {"mesh": ((2, 2), ("dp", "tp"))},
-                   "the model, the mesh or the options differ between ranks"),
+                   "these differ between ranks: the model (parameter and buffer names"),
+    # the same sizes, but rank 3 calls the dims the other way round: its "tp" group is {1, 3} where
+    # the others' are {0, 1} and {2, 3}; the ranks would wait in different collectives
+    "mesh_dim_names_differ": (lambda r, w: build("llama"),
+                              lambda r: {"mesh": ((2, 2), ("tp", "dp") if r == 3 else ("dp", "tp"))},
+                              "these differ between ranks: the mesh (its dim names in order"),
+    # a plan or an option that is valid on each rank but differs on one (on the 2 x 2 mesh rank 3
+    # shares no dim group with rank 0: the verdict travels along both dims)
+    "plan_differs_2d": (lambda r, w: build("llama"), _llama_norms_replicated_on_last_rank,
+                     "these differ between ranks: the plan (module patterns and styles, in order)"),
+    "options_differ_2d": (lambda r, w: build("llama"),
+                          lambda r: {"mesh": ((2, 2), ("dp", "tp")),
+                                     "overlap": "decomposed" if r == 3 else "auto"},
+                          "these differ between ranks: the options (sequence_parallel, overlap"),
     # a forward-overriding subclass would lose its behaviour in the replacement (Gemma's scale is kept
     # by the embedding style: tests/test_parallelize_families.py)
     "embedding_subclass": (_with_module("model.embed_tokens", lambda m: _DoubledEmbedding(
@@ -106,8 +140,22 @@ CASES = {
                        "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
     "weights_differ_2d": (_weights_differ, {"mesh": ((2, 2), ("dp", "tp"))},
                           "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
-    # GPT-NeoX's query_key_value interleaves q, k, v per head: [q|k|v] thirds would be wrong
-    "interleaved_qkv": (_gpt_neox, {"plan": "neox_qkv"}, "gpt_neox's fused projection interleaves q, k and v per head"),
+    # fused projections under a style that cuts through their layout (every family and style:
+    # tests/test_parallelize_families.py); GPT-NeoX's query_key_value interleaves q, k, v per head
+    "interleaved_qkv": (_gpt_neox, _auto_plan_with(
+        "gpt_neox", {"gpt_neox.layers.*.attention.query_key_value": "colwise_qkv"}),
+                        "'gpt_neox.layers.0.attention.query_key_value' is gpt_neox's fused per-head "
+                        "interleaved [q0 k0 v0 | q1 k1 v1 ...] projection: style 'colwise_qkv'"),
+    "fused_qkv_colwise": (lambda r, w: build("phi3"),
+                          _auto_plan_with("phi3", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
+                          "'model.layers.0.self_attn.qkv_proj' is phi3's fused [q|k|v] projection: "
+                          "style 'colwise' would cut through that layout; give it style 'colwise_qkv'"),
+    # inside the sequence-parallel region a replicated module runs on the sequence shard: right for
+    # a norm or an MLP (tests/test_parallelize.py), wrong for attention (it mixes positions)
+    "attention_replicated_in_sp_region": (
+        lambda r, w: build("gpt2"), _gpt2_attention_replicated,
+        "transformer.h.0.attn (GPT2Attention) is in the sequence-parallel region under style "
+        "'replicate' of 'transformer.h.0.attn'"),
     "pp_too_deep": (lambda r, w: build("gpt2", n_layer=1), {"mesh": ((4,), ("pp",))},
                     "pp=4 stages but the model has only 3 pipeline units"),
 }
@@ -120,10 +168,8 @@ def _bad_parallelize(rank, world, case):
     from pyfused.parallelize import ParallelizeError
 
     builder, kwargs, _ = CASES[case]
-    kwargs = dict(kwargs)
+    kwargs = kwargs(rank) if callable(kwargs) else dict(kwargs)
     shape, names = kwargs.pop("mesh", ((world,), ("tp",)))
-    if kwargs.get("plan") == "neox_qkv":
-        kwargs["plan"] = _neox_plan_as_qkv()
     model = builder(rank, world)
     linears_before = sum(isinstance(m, nn.Linear) for m in model.modules())
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

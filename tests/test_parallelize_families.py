@@ -4,7 +4,8 @@ RMSNorm, soft-capping, sliding windows, per-head q/k norms), OLMo 2 (q/k norms o
 projection), GPT-NeoX (per-head interleaved query_key_value, parallel residual, partial rotary) and
 StableLM (LayerNorm, partial rotary), at TP=2 and TP=4 with and without sequence parallelism, and
 at PP=2 x TP=2: logits, loss, every gradient and the gathered state dict (helpers of
-test_parallelize.py and test_parallelize_mesh.py).
+test_parallelize.py and test_parallelize_mesh.py). The fused projections (Phi-3's, GPT-NeoX's,
+GPT-2's) under every style a user plan can give them: exact, or refused naming the projection.
 
 Cost: one rank body per mesh loops over all families (a pool and the transformers import paid
 once), 2 layers of width 64; the decomposed overlap schedule and DP are not repeated here (their
@@ -70,3 +71,53 @@ def _families_pipelined(rank, world, families):
 
 def test_families_pipeline_x_tensor_parallel(ranks):
     assert all(ranks.run(4, _families_pipelined, FAMILIES, timeout=600))
+
+
+# the fused projections of the families plan="auto" knows, by plan pattern
+FUSED = {"phi3": ["model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"],
+         "gpt_neox": ["gpt_neox.layers.*.attention.query_key_value"],
+         "gpt2": ["transformer.h.*.attn.c_attn"]}
+ONE_MODULE_STYLES = ["colwise", "colwise_qkv", "colwise_gate_up", "colwise_kv", "rowwise",
+                     "colwise_gather_output", "replicate"]
+
+
+def _fused_styles(rank, world):
+    """Each fused projection under each style a linear module can take, in a user plan that is
+    otherwise the auto plan: exact (logits, loss, every gradient) or refused by name on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.parallelize import ParallelizeError, auto_plan
+
+    ids, labels = batch()
+    exact, refused = [], []
+    for family, patterns in FUSED.items():
+        ref, ref_out, ref_grads = reference_step(family, ids, labels)
+        for pattern in patterns:
+            for style in ONE_MODULE_STYLES:
+                plan = {**auto_plan(ref), pattern: style}
+                mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+                model = build(family)
+                try:
+                    pm = pyfused.parallelize(model, mesh, plan=plan)
+                except ParallelizeError as e:
+                    named = pattern.replace("*", "0")
+                    assert f"{named!r} is {family}'s fused" in str(e), (pattern, style, str(e))
+                    refused.append((pattern, style))
+                    continue
+                check_step(pm, ref, ref_out, ref_grads, ids, labels, f"{pattern} {style} rank {rank}")
+                exact.append((pattern, style))
+    return exact, refused
+
+
+def test_fused_projection_styles_exact_or_refused(ranks):
+    # TP=2 with sequence parallelism, whose code paths are the more varied; the refusal does not
+    # depend on it, and the styles that run are the auto plans' (also run without SP above)
+    got = ranks.run(2, _fused_styles, timeout=600)
+    assert got[0] == got[1]
+    exact, refused = got[0]
+    assert exact == [("model.layers.*.self_attn.qkv_proj", "colwise_qkv"),
+                     ("model.layers.*.mlp.gate_up_proj", "colwise_gate_up"),
+                     ("gpt_neox.layers.*.attention.query_key_value", "colwise"),
+                     ("transformer.h.*.attn.c_attn", "colwise_qkv")], exact
+    assert len(refused) == 4 * (len(ONE_MODULE_STYLES) - 1)

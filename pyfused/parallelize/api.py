@@ -3,10 +3,10 @@
 Order of work (every rank runs the same steps on the same full model):
   1. local checks that need no communication: the mesh's dims, the plan (``plan="auto"`` picks the
      family from ``config.model_type``), every parameter covered, every sharded size divisible;
-  2. one fixed-size exchange per mesh dim (``_agree``): all ranks must hold the same model (a
-     fingerprint of parameter names, shapes and dtypes, and a checksum of their values) and options,
-     and any rank's problem is raised on every rank with the same message -- before any other
-     collective;
+  2. one fixed-size exchange per mesh dim (``checks.agree``): all ranks must hold the same model
+     (a fingerprint of its structure, and a checksum of its values), the same mesh (dim names, and
+     the global ranks of each named group), plan and options, and any rank's problem is raised on
+     every rank with the same message -- before any other collective;
   3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
   4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp``: pyfused's
      DistributedDataParallel (``dp="ddp"``) or ``fully_shard`` (``dp="fsdp"``), of the whole model
@@ -18,7 +18,6 @@ The returned ``ParallelModel`` is called like the original model and returns wha
 from __future__ import annotations
 
 import sys
-import zlib
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -38,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - torch without DeviceMesh
     DeviceMeshType = ()
 
-MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIMS = checks_mod.MESH_DIMS
 
 
 class ParallelizeError(comm.InputError):
@@ -79,68 +78,6 @@ def _mesh_problem(mesh) -> Optional[str]:
     return None
 
 
-def _fingerprint(model: nn.Module) -> int:
-    text = type(model).__name__ + ";" + ";".join(
-        f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.state_dict(keep_vars=True).items())
-    return zlib.crc32(text.encode()) & 0x3FFFFFFF
-
-
-def _agree(mesh, mesh_ok: bool, model_fp: int, sizes, sp: bool, problem: Optional[str],
-           model: nn.Module = None, check_weights: bool = False) -> None:
-    """Raise the same ParallelizeError on every rank of the mesh if any rank has a problem or holds a
-    different model, different weights or options.
-
-    One fixed-size exchange (``comm.exchange``) per mesh dim, over that dim's group: after the
-    exchange along dim k every rank folds in what its dim-k peers reported, so after the last dim
-    every rank knows the verdict of the whole mesh (a product of its dims) without a group spanning
-    it. A mesh that is not a valid named DeviceMesh is checked over the default group instead.
-    ``check_weights``: the exchange also carries one checksum of the parameter and buffer values
-    (checks.py); when they differ, a second step names the first tensor that differs."""
-    names, checks = [], []
-    if check_weights and model is not None:
-        try:  # a rank that cannot checksum still takes part in the exchange (no hang)
-            names, checks = checks_mod.tensor_checksums(model)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            problem = problem or f"check_weights: could not checksum the model's tensors ({e!r})"
-    err = zlib.crc32(problem.encode()) & 0x3FFFFFFF if problem else 0
-    values = checks_mod.combined(checks) if checks else 0
-    # status: model, options (5), error crc (0: none, 1: different errors), all ranks have it,
-    # differs, values checksum, values differ
-    status = [model_fp, *sizes, int(sp), int(check_weights), err, int(err != 0), 0, values, 0]
-    if mesh_ok:
-        groups = [mesh.get_group(n) for n in mesh.mesh_dim_names]
-    else:
-        groups = [comm.resolve_group(None)]
-    for pg in groups:
-        sigs = comm.exchange(pg, comm.Signature(comm.op_code("parallelize"), tuple(status), ()))
-        rows = [s.ints for s in sigs]
-        differs = any(r[:6] != rows[0][:6] for r in rows) or any(r[8] for r in rows)
-        crcs = {r[6] for r in rows if r[6]}
-        status[6] = 0 if not crcs else crcs.pop() if len(crcs) == 1 else 1
-        status[7] = int(all(r[7] for r in rows))
-        status[8] = int(differs)
-        status[10] = int(any(r[9] != rows[0][9] for r in rows) or any(r[10] for r in rows))
-    if status[8]:
-        msg = ("the model, the mesh or the options differ between ranks (parameter names, shapes "
-               "and dtypes, (dp, pp, tp) sizes, sequence_parallel and check_weights must match): build "
-               "the same model and call parallelize() with the same arguments on every rank")
-    elif status[6] and status[7] and status[6] == err:
-        msg = problem
-    elif status[6]:
-        if problem:
-            logger.error("pyfused.parallelize on this rank: %s", problem)
-        msg = "some ranks cannot parallelize the model (their problem is logged there)"
-    elif status[10]:
-        first = checks_mod.first_differing(groups, checks)
-        msg = (f"the model's weights differ between ranks (first differing tensor: "
-               f"{names[first] if first >= 0 else '?'}): every rank must start from the same full "
-               f"model (the same seed, or the checkpoint loaded on every rank); pass "
-               f"check_weights=False only if the ranks differ on purpose")
-    else:
-        return
-    raise ParallelizeError(f"pyfused.parallelize: {msg}")
-
-
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
                 sequence_parallel: bool = True, overlap: str = "auto", check_weights: bool = True,
                 verbose: bool = False, dp: str = "ddp", **pipeline_options) -> "ParallelModel":
@@ -167,7 +104,6 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     problem = _mesh_problem(mesh)
     mesh_ok = problem is None
     info = MeshInfo(mesh) if mesh_ok else None
-    sizes = tuple(info.size[d] for d in MESH_DIMS) if info else (0, 0, 0)
     resolved = None
     if problem is None:
         try:
@@ -184,8 +120,16 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         problem = f"dp must be 'ddp' or 'fsdp', got {dp!r}"
     if problem is None and info.size["pp"] == 1 and pipeline_options:
         problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
-    _agree(mesh, mesh_ok, _fingerprint(model), sizes, bool(sequence_parallel), problem, model,
-           bool(check_weights))
+    options = (bool(sequence_parallel), overlap, dp, bool(check_weights),
+               sorted(pipeline_options.items()))
+    claims = checks_mod.Claims(
+        info.mesh if info else None, problem=problem, model=model if check_weights else None,
+        alike={"model": checks_mod.model_fingerprint(model),
+               "mesh": checks_mod.fingerprint((info.names, tuple(mesh.shape))) if info else 0,
+               "plan": checks_mod.fingerprint(plan), "options": checks_mod.fingerprint(options)})
+    msg = checks_mod.agree(claims)
+    if msg is not None:
+        raise ParallelizeError(f"pyfused.parallelize: {msg}")
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)

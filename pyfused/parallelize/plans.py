@@ -39,12 +39,23 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
   ``head_shared``    a module applied to every attention head alike (Qwen3's q_norm / k_norm over
                      head_dim): replicated, but each rank runs it on its own heads only, so its
                      gradients are summed over the TP group (with or without sequence parallelism).
-  ``replicate``      parameters replicated on every TP rank, computed on full tensors (final norm,
-                     position embedding).
+  ``replicate``      parameters replicated on every TP rank. Outside the blocks the module computes
+                     on full tensors (final norm, position embedding). Inside the sequence-parallel
+                     region it runs on the sequence shard, as ``sequence_parallel`` does: right for
+                     per-token modules (a norm, a whole MLP), whose parameters' gradients are then
+                     summed over the TP group (Megatron's rule for parameters in the region); an
+                     attention module there is refused (it would attend over its shard only).
   ``blocks``         the ``nn.ModuleList`` of decoder blocks: the sequence-parallel region and the
                      unit the pipeline splitter cuts.
 
 Every parameter of the model must be covered by some entry; ``resolve`` says which are not.
+
+The fused projections of the families ``plan="auto"`` knows (``FUSED_PROJECTIONS``: Phi-3's [q|k|v]
+``qkv_proj`` and [gate|up] ``gate_up_proj``, GPT-NeoX's per-head interleaved ``query_key_value``,
+GPT-2's [q|k|v] ``c_attn``) take only the style that splits their layout, or ``replicate`` when
+nothing else in their module is sharded (the module then runs whole on every rank); any other style
+would cut through the layout (plain ``colwise`` on [q|k|v] gives the first rank all of q) and is
+refused, naming the projection.
 """
 from __future__ import annotations
 
@@ -60,6 +71,8 @@ ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
 NORM_STYLES = ("colwise_norm", "colwise_norm_kv")
 STYLES = LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES + (
     "embedding", "sequence_parallel", "head_shared", "replicate", "blocks")
+# styles whose modules run whole on each rank's sequence shard inside the sequence-parallel region
+SHARD_LOCAL_STYLES = ("sequence_parallel", "replicate")
 
 # transformers model_type -> family. The Llama family: decoder-only models with LlamaAttention's
 # layout (separate q/k/v/o projections, optional q/k/v biases, grouped-query attention) and a
@@ -75,6 +88,13 @@ BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
                "post_feedforward_layernorm")
 # model types whose fused query_key_value interleaves q, k, v per head ([q0 k0 v0 | q1 k1 v1 ...])
 INTERLEAVED_QKV = ("gpt_neox", "gptj", "bloom", "falcon", "persimmon")
+# (family, projection's own name) -> (its fused layout, the one style that shards that layout)
+FUSED_PROJECTIONS = {
+    ("phi3", "qkv_proj"): ("[q|k|v]", "colwise_qkv"),
+    ("phi3", "gate_up_proj"): ("[gate|up]", "colwise_gate_up"),
+    ("gpt_neox", "query_key_value"): ("per-head interleaved [q0 k0 v0 | q1 k1 v1 ...]", "colwise"),
+    ("gpt2", "c_attn"): ("[q|k|v]", "colwise_qkv"),
+}
 
 # Attention-module attributes that hold a head count or a width proportional to it (checked against
 # transformers 5.x: LlamaAttention reads only head_dim and num_key_value_groups, neither of which
@@ -230,6 +250,7 @@ def resolve(model: nn.Module, plan: Dict[str, str]) -> ResolvedPlan:
             styles[name] = style
     for name, style in styles.items():
         _check_module_type(name, modules[name], style)
+    _check_fused_projections(model, styles)
     blocks = [n for n, s in styles.items() if s == "blocks"]
     if len(blocks) > 1:
         raise PlanError(f"the plan names {len(blocks)} block lists ({blocks}); pyfused supports one")
@@ -272,6 +293,35 @@ def _check_module_type(name: str, module: nn.Module, style: str) -> None:
         raise PlanError(f"{name!r}: a vocab-parallel embedding supports neither max_norm nor sparse")
     if style == "blocks" and not isinstance(module, nn.ModuleList):
         raise PlanError(f"{name!r} is a {type(module).__name__}; style 'blocks' needs an nn.ModuleList")
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """Whether the module mixes positions as attention does (transformers names every attention
+    class ``*Attention``: LlamaAttention, GPT2Attention, Phi3Attention, GPTNeoXAttention, ...)."""
+    return type(module).__name__.endswith("Attention")
+
+
+def _check_fused_projections(model: nn.Module, styles: Dict[str, str]) -> None:
+    """A known fused projection takes the style that shards its layout, or ``replicate`` while
+    nothing else in its module is sharded (module docstring)."""
+    family, model_type = family_of(model)
+    for name, style in styles.items():
+        parent, _, own = name.rpartition(".")
+        known = FUSED_PROJECTIONS.get((family, own))
+        if known is None or style == known[1]:
+            continue
+        layout, right = known
+        what = f"{name!r} is {model_type}'s fused {layout} projection"
+        if style != "replicate":
+            raise PlanError(f"{what}: style {style!r} would cut through that layout; give it style "
+                            f"{right!r}")
+        sharded = [(n, st) for n, st in styles.items() if n != name and (n == parent or n.startswith(
+            parent + ".")) and st in LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES]
+        if sharded:
+            n, st = sharded[0]
+            raise PlanError(f"{what}: it is replicated (full width on every rank) but {n!r} of the same "
+                            f"module is sharded ({st!r}), which expects this rank's share of it; give "
+                            f"it style {right!r}, or replicate the whole {parent!r}")
 
 
 def style_of_param(styles: Dict[str, str], pname: str) -> Optional[Tuple[str, str]]:

@@ -84,12 +84,16 @@ def build_report(model: nn.Module, styles: Dict[str, str], mesh: str, sequence_p
                  overlap: str, choices: Dict[str, Dict[str, Tuple[str, str]]]) -> ParallelizeReport:
     report = ParallelizeReport(mesh, sequence_parallel, overlap)
     modules = dict(model.named_modules())
+    blocks = [n + "." for n, s in styles.items() if s == "blocks"]
     for name, style in styles.items():
         m = modules.get(name)
         if m is None or getattr(m, "pyfused_placeholder", False):
             continue  # on another pipeline stage
         cls = type(m).__name__
-        op, what = COMMUNICATION.get(cls, (None, STYLE_NOTES.get(style, "")))
+        note = STYLE_NOTES.get(style, "")
+        if style == "replicate" and sequence_parallel and any(name.startswith(b) for b in blocks):
+            note = STYLE_NOTES["sequence_parallel"]  # in the region: on the shard, like a norm
+        op, what = COMMUNICATION.get(cls, (None, note))
         if style == "colwise_gather_output" and cls == "ColumnParallelLinear":
             what = "local GEMM + all-gather of the logits (backward: all-reduce of the input gradient)"
         if style in ("attention", "attention_sequence_sharded"):

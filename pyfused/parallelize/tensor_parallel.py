@@ -19,8 +19,8 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from .embedding import VocabParallelEmbedding, VocabParallelHead, embedding_scale, padded_vocab
 from .norms import ColumnShardedRMSNorm
 from .plans import (
-    ATTENTION_STYLES, HEAD_ATTRIBUTES, INTERLEAVED_QKV, LINEAR_STYLES, NORM_STYLES, ResolvedPlan,
-    is_conv1d,
+    ATTENTION_STYLES, HEAD_ATTRIBUTES, INTERLEAVED_QKV, LINEAR_STYLES, NORM_STYLES, SHARD_LOCAL_STYLES,
+    ResolvedPlan, is_attention_module, is_conv1d, style_of_param,
 )
 from .sequence import (
     LocalInputColumn, SequenceParallelColumn, SequenceParallelRow, gather_for_local_columns,
@@ -112,12 +112,33 @@ def _linear_problem(model: nn.Module, name: str, m: nn.Module, style: str, tp: i
     return None
 
 
+def _sequence_region_problem(modules: Dict[str, nn.Module], styles: Dict[str, str],
+                             block_list: str) -> Optional[str]:
+    """Inside the sequence-parallel region every module without a style of its own runs on this
+    rank's sequence shard (``[s/W, b, h]``), which is right only for per-token modules (norms, MLPs:
+    their replicated parameters' gradients are summed over the group). An attention module mixes
+    positions: it must take an attention style, which gathers the sequence for it."""
+    for name, m in modules.items():
+        in_region = _under(name, block_list)
+        if in_region and is_attention_module(m) and styles.get(name) not in ATTENTION_STYLES:
+            owner = style_of_param(styles, name + ".x")
+            how = f"under style {owner[1]!r} of {owner[0]!r}" if owner else "without a style"
+            return (f"{name} ({type(m).__name__}) is in the sequence-parallel region {how}: it would "
+                    f"attend over this rank's sequence shard only. Give it style 'attention' (and shard "
+                    f"its projections), or parallelize with sequence_parallel=False")
+    return None
+
+
 def check(model: nn.Module, resolved: ResolvedPlan, tp: int, sequence_parallel: bool) -> Optional[str]:
     """The first reason TP of size ``tp`` cannot apply the plan to this model, or None."""
     modules = dict(model.named_modules())
     styles = resolved.styles
     if sequence_parallel and tp > 1 and not resolved.blocks:
         return "sequence_parallel=True needs a 'blocks' entry in the plan (the sequence-parallel region)"
+    if sequence_parallel and tp > 1:
+        problem = _sequence_region_problem(modules, styles, resolved.blocks[0])
+        if problem:
+            return problem
     embedding_weights = {id(modules[n].weight): n for n, s in styles.items() if s == "embedding"}
     replicas = kv_replicas(model, tp)
     for name, style in styles.items():
@@ -260,11 +281,6 @@ class TensorParallel:
                 self._divide_heads(name, m)
                 if style == "attention" and in_region:
                     self.hooks.append(m.register_forward_pre_hook(self._gather_input, with_kwargs=True))
-            elif style == "sequence_parallel" and in_region or style == "head_shared":
-                for p in m.parameters():
-                    handle = sum_grad_over_group(p, self.pg)
-                    if handle is not None:
-                        self.hooks.append(handle)
         # a tied LM head processed before its embedding (not the case in transformers' models)
         for name, style in styles.items():
             if style == "colwise_gather_output" and name in modules and not getattr(
@@ -274,10 +290,28 @@ class TensorParallel:
                 if id(orig.weight) in embeddings and lm.weight is not embeddings[id(orig.weight)].weight:
                     self.param_specs.pop(id(lm.weight))
                     lm.weight = embeddings[id(orig.weight)].weight
+        self._sum_partial_grads(model, styles, block_list)
         if install_region and self.sp and block_list is not None:
             self.install_sequence_region(list(model.get_submodule(block_list)))
         logger.debug("pyfused.parallelize: TP=%d (sequence_parallel=%s) applied to %d modules; head "
                      "counts divided in %d attention modules", self.world, self.sp, len(styles), len(heads))
+
+    def _sum_partial_grads(self, model: nn.Module, styles: Dict[str, str],
+                           block_list: Optional[str]) -> None:
+        """Sum over the TP group the gradients of replicated parameters that each rank computes from
+        part of the data: those of modules run on the sequence shard (styles ``sequence_parallel``
+        and ``replicate`` inside the region) and of ``head_shared`` modules (run on this rank's heads).
+        Each parameter takes the style of its nearest styled module, and one hook."""
+        for pname, p in model.named_parameters():
+            owner = style_of_param(styles, pname)
+            if owner is None:
+                continue
+            module, style = owner
+            on_shard = self.sp and _under(module, block_list) and style in SHARD_LOCAL_STYLES
+            if on_shard or style == "head_shared":
+                handle = sum_grad_over_group(p, self.pg)
+                if handle is not None:
+                    self.hooks.append(handle)
 
     def _linear(self, m: nn.Module, style: str, in_region: bool, attention: Optional[str]) -> nn.Module:
         fin, fout = _linear_dims(m)
