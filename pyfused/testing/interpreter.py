@@ -7,10 +7,10 @@ lets the launchers run concurrently (``pyfused.ops.reduce.concurrent_interpreter
 threads can each launch the project's kernels while the others' set the flags they wait on -- the
 real cross-rank protocol on CPU (``pyfused.testing.threaded_ranks``).
 
-The workarounds, written against ``triton/runtime/interpreter.py`` of triton 3.8.0 (installed in
-CI) and checked to apply unchanged to 3.6.0's source (the GPU machines' version). Each checks the
-attribute it replaces and raises ``InterpreterInternalsMoved`` if Triton's internals differ; each
-has a test that fails without it (``tests/test_interpreter_patches.py``):
+The workarounds are for ``triton/runtime/interpreter.py`` of triton 3.8.0 (installed in CI) and
+3.6.0 (the GPU machines' version; the tests pass with it, torch 2.11 and numpy 2.3). Each checks
+the attribute it replaces and raises ``InterpreterInternalsMoved`` if Triton's internals differ;
+each has a test that fails without it (``tests/test_interpreter_patches.py``):
 
 1. Program ids. The grid index and grid size of the running launch live in attributes of one
    module-level ``InterpreterBuilder`` (``interpreter_builder.grid_idx`` / ``grid_dim``), which
