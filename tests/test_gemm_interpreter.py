@@ -63,3 +63,24 @@ def test_chunked_wait_signal_scatter(dtype):
         lo, hi = plan.chunk_bounds(c)
         assert_close(buf[:hi - lo], ref[lo:hi], dtype, name=f"chunk {c}")
     assert counters.tolist() == [plan.tiles_per_chunk] * chunks
+
+
+def test_compiled_launches_keep_bf16_operands(monkeypatch):
+    """Only interpreted launches get fp32 copies: a launch of CPU tensors that is compiled for a
+    GPU target instead (benchmarks/hopper_compile.py records them) stays bf16."""
+    import pyfused.kernels.gemm as kernels
+    import pyfused.ops.gemm as launcher
+
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(a=args[0].dtype, b=args[1].dtype, precision=kwargs["INPUT_PRECISION"])
+            return launch
+
+    monkeypatch.setattr(kernels, "persistent_gemm_kernel", Recorder())
+    monkeypatch.setattr(launcher, "check_backend", lambda *args: False)
+    a = torch.ones(8, 8, dtype=torch.bfloat16)
+    gemm(a, a)
+    assert seen == dict(a=torch.bfloat16, b=torch.bfloat16, precision="tf32")

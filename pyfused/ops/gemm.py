@@ -19,7 +19,9 @@ collective use must be chosen once (rank 0) and passed as ``config=`` on every r
 
 bf16 on CPU. The Triton interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers (triton
 3.6 and 3.8: results around 1e11), so under the interpreter bf16 operands go to the kernel as fp32
-copies (``_dot_operands``): exact, and the products then accumulate in fp32 as on tensor cores.
+copies (``_interpreter_dot_operands``): exact, and the products then accumulate in fp32 as on
+tensor cores. Compiled launches (a GPU, or CPU tensors compiled ahead of time for a GPU target)
+keep their bf16 operands.
 """
 from __future__ import annotations
 
@@ -135,13 +137,13 @@ def _check_inputs(a: Tensor, b: Tensor, bias: Optional[Tensor], b_layout: str) -
     return m, n, k
 
 
-def _dot_operands(a: Tensor, b: Tensor, wait: bool) -> Tuple[Tensor, Tensor]:
-    """The operands the kernel multiplies (see "bf16 on CPU" in the module docstring): fp32 copies
-    of bf16 ones under the interpreter. A copy taken at the launch holds what the kernel would read
-    because on CPU every flag a wait reads is set before the launch (``check_wait_args``), except
-    where other threads' launches may still write ``a`` during the wait
+def _interpreter_dot_operands(a: Tensor, b: Tensor, wait: bool) -> Tuple[Tensor, Tensor]:
+    """The operands an interpreted kernel multiplies (see "bf16 on CPU" in the module docstring):
+    fp32 copies of bf16 ones. A copy taken at the launch holds what the kernel would read because
+    on CPU every flag a wait reads is set before the launch (``check_wait_args``), except where
+    other threads' launches may still write ``a`` during the wait
     (``concurrent_interpreter_launches``): there the interpreter must multiply bf16 itself."""
-    if a.device.type == "cuda" or a.dtype != torch.bfloat16:
+    if a.dtype != torch.bfloat16:
         return a, b
     if wait and interpreter_launches_concurrent():
         problem = interpreter_bf16_dot_problem()
@@ -255,7 +257,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
 
     m, n, k = _check_inputs(a, b, bias, b_layout)
     device = a.device
-    check_backend(device, persistent_gemm_kernel, "pyfused.ops.gemm.gemm")
+    interpreted = check_backend(device, persistent_gemm_kernel, "pyfused.ops.gemm.gemm")
     if allow_tf32 is None:
         allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     allow_tf32 = allow_tf32 and a.dtype == torch.float32
@@ -293,7 +295,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     if not isinstance(num_programs, int) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
 
-    a, b = _dot_operands(a, b, wait)
+    if interpreted:
+        a, b = _interpreter_dot_operands(a, b, wait)
     dummy = status  # stands in for absent optional pointers; never dereferenced
     stride_bk, stride_bn = (b.stride(0), b.stride(1)) if b_layout == "kn" else (b.stride(1), b.stride(0))
     args = (a, b, c_arg, bias if bias is not None else dummy, table.ptrs if scatter else dummy,

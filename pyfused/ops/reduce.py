@@ -118,8 +118,9 @@ def interpreter_launches_concurrent() -> bool:
     return _CONCURRENT_HARNESSES[0] > 0
 
 
-def check_backend(device: torch.device, kernel, what: str) -> None:
-    """Refuse the two combinations the Triton launch cannot serve (see the module docstring)."""
+def check_backend(device: torch.device, kernel, what: str) -> bool:
+    """Refuse the two combinations the Triton launch cannot serve (see the module docstring);
+    whether the launch runs in the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
     interpreted = isinstance(kernel, InterpretedFunction)
@@ -134,6 +135,7 @@ def check_backend(device: torch.device, kernel, what: str) -> None:
             problem = interpreter_problem()
         if problem:
             raise RuntimeError(f"{what}: {problem}")
+    return interpreted
 
 
 @functools.lru_cache(maxsize=None)
