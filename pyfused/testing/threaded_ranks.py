@@ -228,28 +228,29 @@ _current = threading.local()
 @contextlib.contextmanager
 def _faulty_schedules(call: Call) -> Iterator[None]:
     """Route the fused schedules' launches and flag writes (pyfused/fused/gemm_collectives.py)
-    through ``call``'s faults for the block: waiting launches get the spin limit and mark their rank
-    as waiting, flag writes are delayed and held back."""
+    through ``call``'s faults for the block: waiting launches get the spin limit, the held-back
+    rank stops before its first launch that writes into the peers or its first flag write, and
+    flag writes are delayed."""
     from ..fused import gemm_collectives as schedules
 
     real = {name: getattr(schedules, name)
             for name in ("gemm", "multi_source_reduce", "signal_flag")}
 
-    def waiting(launch):
-        def call_it(*args, **kw):
+    def with_faults(launch):
+        def faulty_launch(*args, **kw):
             if kw.get("wait_flags") is not None:
                 kw["spin_limit"] = call.faults.spin_limit
             else:
                 call.hold(_current.rank)  # a GEMM that scatters into the peers
             return launch(*args, **kw)
-        return call_it
+        return faulty_launch
 
     def signal_flag(flags, index, value):
         call.before_signal(_current.rank)
         real["signal_flag"](flags, index, value)
 
-    schedules.gemm = waiting(real["gemm"])
-    schedules.multi_source_reduce = waiting(real["multi_source_reduce"])
+    schedules.gemm = with_faults(real["gemm"])
+    schedules.multi_source_reduce = with_faults(real["multi_source_reduce"])
     schedules.signal_flag = signal_flag
     try:
         yield
