@@ -4,7 +4,8 @@ CPU (CI): the harness's plumbing through the CPU models -- rank -> stream -> buf
 budget every fused launch receives, epochs across calls, and the adversarial modes (a late rank, NaN
 poisoned buffers, a rank that never comes). The CPU kernels of the all-reduce and the barriers block
 in C++ until every rank thread arrives; the Triton interpreter runs one launch at a time (its flags
-are set before it reads them, so none spins). Shapes are tiny: each interpreted launch costs ~0.3 s.
+are set before it reads them, so none spins; tests/test_threaded_ranks.py runs the launches at
+once, the kernels waiting for each other). Shapes are tiny: each interpreted launch costs ~0.3 s.
 
 GPU (``gpu``-marked): every case at W = 2, 4, 8 in bf16 and fp16 against the fp64 reference and the
 unfused composition on the same harness; the adversarial modes with truly concurrent ranks; a lost

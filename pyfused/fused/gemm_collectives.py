@@ -49,7 +49,9 @@ while that peer's previous GEMM on the first stream still reads it.
 CPU model (``backend="host-shm"``, Triton interpreter): the same buffers, copies, flags and kernels,
 but a CPU wait cannot block (the interpreter runs programs one after another), so a host barrier
 (channel CHAN_SYNC) after the data movement stands in for the in-kernel waits; the kernels still
-check every flag they would have waited on.
+check every flag they would have waited on. Where the ranks are threads whose interpreted launches
+may overlap (``concurrent_interpreter_launches``: the threaded-rank tests), the kernels wait for
+the peers' flags themselves and there is no host barrier (``_waits_block``).
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ from ..comm.group import resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
 from ..ops.gemm import describe_gemm_timeout, gemm, plan_gemm
 from ..ops.reduce import (
-    PointerTable, WaitTimeout, describe_reduce_timeout, multi_source_reduce, new_status,
+    PointerTable, WaitTimeout, describe_reduce_timeout, interpreter_launches_concurrent,
+    multi_source_reduce, new_status,
 )
 from . import config
 
@@ -115,6 +118,12 @@ TIMEOUTS = TimeoutWatch()
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _waits_block(device: torch.device) -> bool:
+    """Whether a kernel's wait can outlast the peer's flag write it waits for (GPU; interpreted
+    launches that may overlap), or a host barrier must order them (see "CPU model")."""
+    return device.type == "cuda" or interpreter_launches_concurrent()
 
 
 def _barrier(buf: SymmetricBuffer, channel: int, epoch: int) -> None:
@@ -166,7 +175,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
             buf.peer(q, (w * m, k), dtype)[r * m:(r + 1) * m].copy_(a)
             signal_flag(buf.flags(q, count=w), r, epoch)
         streams.keep_alive(a, stream)
-    if device.type != "cuda":
+    if not _waits_block(device):
         _barrier(buf, CHAN_SYNC, epoch)
     # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1 first,
     # then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
@@ -230,7 +239,8 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
              num_programs=config.grid_budget(device))
         for c in order:
             signal_flag(buf.flags(c, count=w), r, epoch)
-        _barrier(buf, CHAN_SYNC, epoch)
+        if not _waits_block(device):
+            _barrier(buf, CHAN_SYNC, epoch)
     status = new_status(device)
     out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
                               flag_scope="sys", status=status, timeout_ms=config.timeout_ms(),

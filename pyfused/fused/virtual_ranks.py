@@ -28,7 +28,9 @@ On CPU the same harness runs the CPU models: the CPU kernels of ``pyfused::all_r
 barrier) and the Triton interpreter (which runs programs one after another; the fused schedules
 set every flag before a kernel reads it on CPU, and the launchers serialize interpreted launches).
 That covers the harness's plumbing -- rank -> stream -> buffer tables, SM budgets, epochs across
-calls -- in CI; only the concurrency itself needs the GPU.
+calls -- in CI; the Triton kernels' waits between ranks that run at once are checked on CPU by
+pyfused/testing/threaded_ranks.py (interpreted launches that overlap), the rest of the concurrency
+needs the GPU.
 """
 from __future__ import annotations
 

@@ -16,9 +16,16 @@ so the other side of a signal computes the same numbers. ``autotune=True`` picks
 on *this* process, which ranks could resolve differently; it is therefore allowed only for a plain
 GEMM (no wait, signal, scatter or chunking) and refused for collective use. A tuned config meant for
 collective use must be chosen once (rank 0) and passed as ``config=`` on every rank.
+
+bf16 on CPU. The Triton interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers (triton
+3.6 and 3.8: results around 1e11), so under the interpreter bf16 operands go to the kernel as fp32
+copies (``_interpreter_dot_operands``): exact, and the products then accumulate in fp32 as on
+tensor cores. Compiled launches (a GPU, or CPU tensors compiled ahead of time for a GPU target)
+keep their bf16 operands.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -27,8 +34,8 @@ from torch import Tensor
 
 from .reduce import (
     DEFAULT_SPIN_LIMIT, DEFAULT_TIMEOUT_MS, PointerTable, check_backend, check_flags,
-    check_wait_args, check_scope, chunk_order_tensor, chunk_rows_of, new_status, raise_on_timeout,
-    serialized, timeout_ns,
+    check_wait_args, check_scope, chunk_order_tensor, chunk_rows_of,
+    interpreter_launches_concurrent, new_status, raise_on_timeout, serialized, timeout_ns,
 )
 
 B_LAYOUTS = ("kn", "nk")
@@ -130,6 +137,50 @@ def _check_inputs(a: Tensor, b: Tensor, bias: Optional[Tensor], b_layout: str) -
     return m, n, k
 
 
+def _interpreter_dot_operands(a: Tensor, b: Tensor, wait: bool) -> Tuple[Tensor, Tensor]:
+    """The operands an interpreted kernel multiplies (see "bf16 on CPU" in the module docstring):
+    fp32 copies of bf16 ones. A copy taken at the launch holds what the kernel would read because
+    on CPU every flag a wait reads is set before the launch (``check_wait_args``), except where
+    other threads' launches may still write ``a`` during the wait
+    (``concurrent_interpreter_launches``): there the interpreter must multiply bf16 itself."""
+    if a.dtype != torch.bfloat16:
+        return a, b
+    if wait and interpreter_launches_concurrent():
+        problem = interpreter_bf16_dot_problem()
+        if problem:
+            raise RuntimeError(f"pyfused.ops.gemm.gemm: a bf16 GEMM that waits on flags set by "
+                               f"concurrent launches reads a as it arrives, so it cannot take an "
+                               f"fp32 copy of it at the launch, and {problem} (pyfused/testing/"
+                               f"interpreter.py widens bf16 dots for the threaded-rank tests)")
+        return a, b
+    return a.float(), b.float()
+
+
+def interpreter_bf16_dot_problem() -> Optional[str]:
+    """Why the Triton interpreter's bf16 ``tl.dot`` is wrong here (None: it is right), found by
+    running one: ones(16, 16) @ ones(16, 16) must be 16 everywhere."""
+    ones = torch.ones(16, 16, dtype=torch.bfloat16)
+    out = torch.zeros(16, 16, dtype=torch.float32)
+    _bf16_dot_probe()[(1,)](ones, out)
+    if not bool((out == 16).all()):
+        return (f"the Triton interpreter's bf16 tl.dot computes {out.flatten()[0].item():.4g} "
+                f"instead of 16 for ones(16, 16) @ ones(16, 16)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_dot_probe():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, out_ptr):
+        offs = tl.arange(0, 16)
+        a = tl.load(a_ptr + offs[:, None] * 16 + offs[None, :])
+        tl.store(out_ptr + offs[:, None] * 16 + offs[None, :], tl.dot(a, a))
+    return probe
+
+
 def _out_table(out_chunks, plan: GemmPlan, dtype: torch.dtype, device: torch.device) -> PointerTable:
     """Validate the scatter targets: chunk c's buffer holds at least its rows x N."""
     if isinstance(out_chunks, PointerTable):
@@ -206,7 +257,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
 
     m, n, k = _check_inputs(a, b, bias, b_layout)
     device = a.device
-    check_backend(device, persistent_gemm_kernel, "pyfused.ops.gemm.gemm")
+    interpreted = check_backend(device, persistent_gemm_kernel, "pyfused.ops.gemm.gemm")
     if allow_tf32 is None:
         allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     allow_tf32 = allow_tf32 and a.dtype == torch.float32
@@ -244,6 +295,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     if not isinstance(num_programs, int) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
 
+    if interpreted:
+        a, b = _interpreter_dot_operands(a, b, wait)
     dummy = status  # stands in for absent optional pointers; never dereferenced
     stride_bk, stride_bn = (b.stride(0), b.stride(1)) if b_layout == "kn" else (b.stride(1), b.stride(0))
     args = (a, b, c_arg, bias if bias is not None else dummy, table.ptrs if scatter else dummy,

@@ -92,10 +92,35 @@ class PointerTable:
 # The interpreter keeps the grid index of the running launch in module state, so launches from
 # several threads (virtual ranks on CPU, pyfused/fused/virtual_ranks.py) must not interleave.
 _INTERPRETER_LOCK = threading.Lock()
+# How many concurrent_interpreter_launches blocks are open, in any thread.
+_CONCURRENT_HARNESSES = [0]
+_CONCURRENT_LOCK = threading.Lock()
 
 
-def check_backend(device: torch.device, kernel, what: str) -> None:
-    """Refuse the two combinations the Triton launch cannot serve (see the module docstring)."""
+@contextlib.contextmanager
+def concurrent_interpreter_launches():
+    """Inside the block, interpreted launches (CPU tensors) from different threads run at once
+    instead of one after another, and a CPU wait may start before its flag is set (another
+    thread's launch or copy sets it). Only for an interpreter made safe for concurrent launches
+    first: pyfused/testing/interpreter.py does that for the threaded-rank tests. Process-wide (the
+    threads that launch are not the one that enters the block)."""
+    with _CONCURRENT_LOCK:
+        _CONCURRENT_HARNESSES[0] += 1
+    try:
+        yield
+    finally:
+        with _CONCURRENT_LOCK:
+            _CONCURRENT_HARNESSES[0] -= 1
+
+
+def interpreter_launches_concurrent() -> bool:
+    """Whether interpreted launches may overlap (``concurrent_interpreter_launches`` in force)."""
+    return _CONCURRENT_HARNESSES[0] > 0
+
+
+def check_backend(device: torch.device, kernel, what: str) -> bool:
+    """Refuse the two combinations the Triton launch cannot serve (see the module docstring);
+    whether the launch runs in the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
     interpreted = isinstance(kernel, InterpretedFunction)
@@ -110,6 +135,7 @@ def check_backend(device: torch.device, kernel, what: str) -> None:
             problem = interpreter_problem()
         if problem:
             raise RuntimeError(f"{what}: {problem}")
+    return interpreted
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,10 +212,12 @@ CPU_MAX_SPINS = 1000
 
 def check_wait_args(name: str, flags: Tensor, expected: int, spin_limit: int) -> None:
     """Checks of a wait's spin limit, and on CPU of the flags themselves: the interpreter runs
-    programs one after another, so nothing can set a flag while the kernel spins."""
+    programs one after another, so nothing can set a flag while the kernel spins (unless another
+    thread's launch can: ``concurrent_interpreter_launches``)."""
     if not isinstance(spin_limit, int) or not 0 < spin_limit < 2 ** 31:
         raise ValueError(f"spin_limit must be an int in [1, 2**31), got {spin_limit!r}")
-    if flags.device.type == "cuda" or spin_limit <= CPU_MAX_SPINS:
+    if (flags.device.type == "cuda" or spin_limit <= CPU_MAX_SPINS
+            or interpreter_launches_concurrent()):
         return
     if bool((flags < expected).any()):
         bad = torch.nonzero(flags.reshape(-1) < expected).reshape(-1).tolist()
@@ -220,8 +248,11 @@ def timeout_ns(timeout_ms: int) -> int:
 
 
 def serialized(device: torch.device):
-    """Hold the interpreter's lock around a launch on CPU tensors; nothing on a GPU."""
-    return _INTERPRETER_LOCK if device.type != "cuda" else contextlib.nullcontext()
+    """Hold the interpreter's lock around a launch on CPU tensors (unless launches may overlap:
+    ``concurrent_interpreter_launches``); nothing on a GPU."""
+    if device.type == "cuda" or interpreter_launches_concurrent():
+        return contextlib.nullcontext()
+    return _INTERPRETER_LOCK
 
 
 def check_scope(name: str, scope: str) -> None:
