@@ -1,24 +1,25 @@
 """``pyfused.parallelize(model, mesh, plan="auto", *, sequence_parallel=True)``.
 
-Order of work (every rank runs the same steps on the same full model):
-  1. local checks that need no communication: the mesh's dims, the plan (``plan="auto"`` picks the
-     family from ``config.model_type``), every parameter covered, every sharded size divisible;
-  2. one fixed-size exchange per mesh dim (``checks.agree``): all ranks must hold the same model
-     (a fingerprint of its structure, and a checksum of its values), the same mesh (dim names, and
-     the global ranks of each named group), plan and options, and any rank's problem is raised on
-     every rank with the same message -- before any other collective;
-  3. tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
-  4. pipeline parallelism on the ``pp`` dim (pipeline.py), then data parallelism on ``dp``: pyfused's
-     DistributedDataParallel (``dp="ddp"``) or ``fully_shard`` (``dp="fsdp"``), of the whole model
-     or, with pp > 1, of this rank's pipeline stage.
+``parallelize`` runs these steps (steps.py), in this order, on every rank, on the same full model:
+  1. ``check_locally``: the checks that need no communication: the mesh's dims, the plan
+     (``plan="auto"`` picks the family from ``config.model_type``), every parameter covered, every
+     sharded size divisible, what the pipeline needs, the options;
+  2. ``agree_across_ranks``: one fixed-size exchange per mesh dim (``checks.agree``): all ranks must
+     hold the same model (a fingerprint of its structure, and a checksum of its values), the same
+     mesh (dim names, and the global ranks of each named group), plan and options, and any rank's
+     problem is raised on every rank with the same message -- before any other collective;
+  3. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
+  4. ``apply_fsdp`` (``dp="fsdp"``) or ``apply_ddp`` (``dp="ddp"``): data parallelism on the ``dp``
+     dim: ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
+With pp > 1, ``apply_pipeline`` takes the place of 3 and 4: this rank's pipeline stage
+(pipeline.py), whose modules get tensor parallelism, then data parallelism.
 
 The returned ``ParallelModel`` is called like the original model and returns what it returns;
 ``full_state_dict()`` / ``load_full_state_dict()`` translate to and from the original model's state.
 """
 from __future__ import annotations
 
-import sys
-from typing import Any, Dict, Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,56 +27,17 @@ import torch.nn as nn
 
 from .. import comm
 from .._logging import logger
-from . import checks as checks_mod
-from . import plans as plans_mod
+from ..fsdp import compose as fsdp_compose
 from . import report as report_mod
 from . import tensor_parallel as tp_mod
+from .checks import ParallelizeError
+from .sequence import _check_divisible
 from .shard import ShardSpec
+from .steps import (
+    MeshInfo, agree_across_ranks, apply_ddp, apply_fsdp, apply_pipeline, apply_tp, check_locally,
+)
 
-try:
-    from torch.distributed.device_mesh import DeviceMesh as DeviceMeshType
-except ImportError:  # pragma: no cover - torch without DeviceMesh
-    DeviceMeshType = ()
-
-MESH_DIMS = checks_mod.MESH_DIMS
-
-
-class ParallelizeError(comm.InputError):
-    """Raised by ``parallelize`` with the same message on every rank."""
-
-
-class MeshInfo:
-    """Size, group and this rank's coordinate of each of dp / tp / pp (size 1 where absent)."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        names = tuple(mesh.mesh_dim_names or ())
-        self.names = names
-        self.size: Dict[str, int] = {d: 1 for d in MESH_DIMS}
-        self.group: Dict[str, Any] = {d: None for d in MESH_DIMS}
-        self.coord: Dict[str, int] = {d: 0 for d in MESH_DIMS}
-        for i, name in enumerate(names):
-            if name in MESH_DIMS:
-                self.size[name] = mesh.size(i)
-                self.group[name] = mesh.get_group(name)
-                self.coord[name] = mesh.get_local_rank(name)
-        # the mesh's own groups would otherwise keep torch's default timeout (docs/FAULTS.md)
-        comm.faults.inherit_default_timeout(self.group.values())
-
-    def describe(self) -> str:
-        return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
-
-
-def _mesh_problem(mesh) -> Optional[str]:
-    if not isinstance(mesh, DeviceMeshType):
-        return f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}"
-    names = tuple(mesh.mesh_dim_names or ())
-    if len(names) != mesh.ndim:
-        return "mesh needs named dims: init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
-    bad = [n for n in names if n not in MESH_DIMS]
-    if bad or len(set(names)) != len(names):
-        return f"mesh dims must be distinct names among {MESH_DIMS}; got {names}"
-    return None
+__all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]
 
 
 def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto", *,
@@ -101,56 +63,24 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
                            "init_process_group) and a DeviceMesh over it")
-    problem = _mesh_problem(mesh)
-    mesh_ok = problem is None
-    info = MeshInfo(mesh) if mesh_ok else None
-    resolved = None
-    if problem is None:
-        try:
-            resolved = plans_mod.resolve(model, plans_mod.auto_plan(model) if plan == "auto" else plan)
-        except plans_mod.PlanError as e:
-            problem = str(e)
-    if problem is None:
-        problem = tp_mod.check(model, resolved, info.size["tp"], sequence_parallel)
-    if problem is None and info.size["pp"] > 1:
-        from . import pipeline as pp_mod
-
-        problem = pp_mod.check(model, resolved, info.size["pp"], pipeline_options)
-    if problem is None and dp not in ("ddp", "fsdp"):
-        problem = f"dp must be 'ddp' or 'fsdp', got {dp!r}"
-    if problem is None and info.size["pp"] == 1 and pipeline_options:
-        problem = f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp dim > 1"
+    info, resolved, problem = check_locally(model, mesh, plan, sequence_parallel, dp,
+                                            pipeline_options)
     options = (bool(sequence_parallel), overlap, dp, bool(check_weights),
                sorted(pipeline_options.items()))
-    claims = checks_mod.Claims(
-        info.mesh if info else None, problem=problem, model=model if check_weights else None,
-        alike={"model": checks_mod.model_fingerprint(model),
-               "mesh": checks_mod.fingerprint((info.names, tuple(mesh.shape))) if info else 0,
-               "plan": checks_mod.fingerprint(plan), "options": checks_mod.fingerprint(options)})
-    msg = checks_mod.agree(claims)
-    if msg is not None:
-        raise ParallelizeError(f"pyfused.parallelize: {msg}")
+    agree_across_ranks(model, mesh, info, plan, options, problem, check_weights)
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)
-    pipelined = info.size["pp"] > 1
-    stage = None
-    if pipelined:
-        from . import pipeline as pp_mod
-
-        stage = pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, **pipeline_options)
-    elif info.size["tp"] > 1:
-        tp.apply(model, resolved)
-    if dp == "fsdp" and info.size["dp"] > 1 and not pipelined:  # pipelined: each stage, above
-        from ..fsdp.compose import shard_model
-
-        shard_model(model, resolved.blocks[0] if resolved.blocks else None, info.mesh["dp"],
-                    tp.param_specs)
+    stage, runner = None, model
+    if info.size["pp"] > 1:
+        stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
+    else:
+        apply_tp(model, resolved, tp)
+        runner = apply_fsdp(model, resolved, info, tp) if dp == "fsdp" else apply_ddp(model, info)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
-    parallel = ParallelModel(model, info, tp, stage, data_parallel=dp)
-    object.__setattr__(parallel, "_plan_styles", resolved.styles)
-    object.__setattr__(parallel, "_verbose", bool(verbose))
+    parallel = ParallelModel(model, info, tp, stage, data_parallel=dp, runner=runner,
+                             plan_styles=resolved.styles, verbose=verbose)
     if verbose and dist.get_rank() == 0:
         print(parallel.report(), flush=True)
     return parallel
@@ -170,24 +100,24 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None,
-                 data_parallel: str = "ddp"):
+                 data_parallel: str = "ddp", runner: Optional[nn.Module] = None,
+                 plan_styles: Optional[Dict[str, str]] = None, verbose: bool = False):
+        """``stage``: this rank's pipeline stage (pp > 1), else None; ``runner``: what a call runs
+        without one: ``module``, or the DistributedDataParallel wrapping it (default ``module``)."""
         super().__init__()
         self.module = module
         # not registered as submodules: parameters and state_dict come from ``module`` alone
         object.__setattr__(self, "mesh_info", info)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
-        runner = module
-        fsdp = data_parallel == "fsdp" and info.size["dp"] > 1
-        object.__setattr__(self, "_dp_sharded", fsdp)  # parameters are DTensors over dp
-        if info.size["dp"] > 1 and stage is None and not fsdp:  # pp > 1: the stage's module is wrapped
-            runner = _wrap_data_parallel(module, info.group["dp"])
-        object.__setattr__(self, "_runner", runner)
+        # parameters are DTensors over dp
+        object.__setattr__(self, "_dp_sharded", data_parallel == "fsdp" and info.size["dp"] > 1)
+        object.__setattr__(self, "_runner", module if runner is None else runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
         object.__setattr__(self, "_recorder", report_mod.MethodRecorder())  # for the first call
         object.__setattr__(self, "_choices", {})
-        object.__setattr__(self, "_plan_styles", {})
-        object.__setattr__(self, "_verbose", False)
+        object.__setattr__(self, "_plan_styles", {} if plan_styles is None else plan_styles)
+        object.__setattr__(self, "_verbose", bool(verbose))
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -245,8 +175,6 @@ class ParallelModel(nn.Module):
         if x is None:
             x = kwargs.get("inputs_embeds")
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % self._tp.world:
-            from .sequence import _check_divisible
-
             _check_divisible(x.shape[1], self._tp.world)
 
     # ---- state dicts ----------------------------------------------------------------------------
@@ -262,7 +190,7 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, on every rank (a collective over the whole mesh)."""
-        local = {k: self._spec_of(k, t).gather(_dp_full(t), self._tp.pg)
+        local = {k: self._spec_of(k, t).gather(fsdp_compose.full(t), self._tp.pg)
                  for k, t in self.module.state_dict(keep_vars=True).items()}
         if self._stage is not None:
             return self._stage.gather_stages(local)
@@ -274,7 +202,8 @@ class ParallelModel(nn.Module):
         names them), on every rank; a collective over the whole mesh. For checks and debugging."""
         local = {}
         for name, p in self.module.named_parameters():
-            g = _dp_full(p.grad) if p.grad is not None else torch.zeros_like(_dp_full(p))
+            g = (fsdp_compose.full(p.grad) if p.grad is not None
+                 else torch.zeros_like(fsdp_compose.full(p)))
             local[name] = self._spec_of(name, p).gather(g, self._tp.pg)
         if self._stage is not None:
             merged = self._stage.gather_stages(local)
@@ -291,7 +220,7 @@ class ParallelModel(nn.Module):
         rank. ``norm_type``: 2.0 or inf."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
-        grads = [_dp_local(p.grad) for p in self.parameters() if p.grad is not None]
+        grads = [fsdp_compose.local(p.grad) for p in self.parameters() if p.grad is not None]
         skip = self._stage.duplicate_params() if self._stage is not None else set()
         device = grads[0].device if grads else torch.device("cpu")
         inf = norm_type == float("inf")
@@ -299,7 +228,7 @@ class ParallelModel(nn.Module):
         for name, p in self.module.named_parameters():
             if p.grad is None or id(p) in skip:
                 continue
-            g = _dp_local(p.grad).detach().double()
+            g = fsdp_compose.local(p.grad).detach().double()
             spec = self._spec_of(name, p)
             v = g.abs().max() if inf else g.pow(2).sum() / spec.replicas  # replicas: counted once
             i = 0 if spec.dim is not None and self._tp.world > 1 else 1
@@ -349,7 +278,7 @@ class ParallelModel(nn.Module):
             src = state.get(k)
             if src is None:
                 src = next(state[o] for o in tied[id(t)] if o in state)
-            _dp_copy_full_into(t, self._spec_of(k, t).shard(src.to(t.device)))
+            fsdp_compose.copy_full_into(t, self._spec_of(k, t).shard(src.to(t.device)))
 
     def __getattr__(self, name: str):
         try:
@@ -357,30 +286,3 @@ class ParallelModel(nn.Module):
         except AttributeError:
             # config, generation settings... of the wrapped model
             return getattr(self._modules["module"], name)
-
-
-def _fsdp_compose():
-    """pyfused.fsdp.compose once a model was fully sharded in this process (else no DTensor
-    parameters can exist here and nothing needs loading)."""
-    return sys.modules.get("pyfused.fsdp.compose")
-
-
-def _dp_local(t):
-    c = _fsdp_compose()
-    return c.local(t) if c else t
-
-
-def _dp_full(t):
-    c = _fsdp_compose()
-    return c.full(t) if c else t
-
-
-def _dp_copy_full_into(t, value):
-    c = _fsdp_compose()
-    c.copy_full_into(t, value) if c else t.copy_(value)
-
-
-def _wrap_data_parallel(module: nn.Module, group):
-    from ..layers import DistributedDataParallel
-
-    return DistributedDataParallel(module, process_group=group)

@@ -115,6 +115,10 @@ def first_differing(groups, checks: Sequence[int]) -> int:
 
 
 # ---- the agreement ------------------------------------------------------------------------------
+class ParallelizeError(comm.InputError):
+    """Raised by ``parallelize`` with the same message on every rank."""
+
+
 MESH_DIMS = ("dp", "pp", "tp")
 # what every rank of the mesh must hold alike, and how the error names it
 ALIKE = {

@@ -42,9 +42,15 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .. import comm
 from .._logging import logger
+from ..fsdp import compose as fsdp_compose
+from ..layers import DistributedDataParallel
+from ..pipeline import (
+    PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, even_starts, split,
+)
 from ..pipeline.stage import before_backward
 from .pipeline_units import (
     Block, Embed, Head, ModelParts, NotOnThisStage, outer_modules, replace_with_placeholder,
@@ -82,17 +88,8 @@ def _return_type(model: nn.Module):
     return CausalLMOutputWithPast
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a parameter or gradient (a fully_shard DTensor's local rows)."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a gradient of ``param``: a DTensor of the same layout for a fully_shard one."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
@@ -133,8 +130,6 @@ class PipelinedModel:
     def __init__(self, model: nn.Module, resolved, info, tp, n_microbatches: Optional[int] = None,
                  schedule: str = "1f1b", balance: Optional[str] = "time", split_points=None,
                  example_input_ids: Optional[torch.Tensor] = None, data_parallel: str = "ddp"):
-        from ..pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         self.pp, self.stage_index, self.pg = info.size["pp"], info.coord["pp"], info.group["pp"]
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp - 1
         self.n_microbatches = n_microbatches or self.pp
@@ -166,14 +161,11 @@ class PipelinedModel:
         self.ddp, runner, self.dp_shards = None, self.submodule, None
         if info.size["dp"] > 1 and data_parallel == "fsdp":
             self.dp_shards = (info.size["dp"], info.coord["dp"])  # (world, rank) of the dp shards
-            from ..fsdp.compose import FullyShardedStage, shard_model
-
-            shard_model(model, None, info.mesh["dp"], tp.param_specs, root=self.submodule,
-                        blocks=[self.parts.blocks[i] for i in blocks_here])
-            runner = FullyShardedStage(self.submodule, self.n_microbatches)
+            fsdp_compose.shard_model(model, None, info.mesh["dp"], tp.param_specs,
+                                     root=self.submodule,
+                                     blocks=[self.parts.blocks[i] for i in blocks_here])
+            runner = fsdp_compose.FullyShardedStage(self.submodule, self.n_microbatches)
         elif info.size["dp"] > 1:
-            from ..layers import DistributedDataParallel
-
             self.ddp = DistributedDataParallel(self.submodule, process_group=info.group["dp"])
             runner = _DataParallelStage(self.ddp, self.n_microbatches)
         self.runner = runner
@@ -194,8 +186,6 @@ class PipelinedModel:
         On the full model, before TP: only pp rank 0 profiles, so it must run no TP collective.
         Every pipeline group decides; all then adopt the cut of the group at dp = tp = 0 (the TP
         ranks of a stage must hold the same blocks, and timings differ from rank to rank)."""
-        from ..pipeline import even_starts, split
-
         model = self.top
         if split_points is None and balance is None:
             split_points = even_starts(len(units), self.pp)
@@ -232,8 +222,6 @@ class PipelinedModel:
                     replace_with_placeholder(model, name, stage)
 
     def _stage_module(self, n: int) -> nn.Module:
-        from ..pipeline.autosplit import PipelineSegment
-
         model, local = self.top, []
         first_block = next((i for i in self.units if 1 <= i <= n), None)
         for i in self.units:
@@ -299,7 +287,8 @@ class PipelinedModel:
         name = emb if self.is_first else head if self.is_last else None
         w = self.top.get_submodule(name).weight if name else None
         if w is not None:  # under FSDP the two ends hold the same dp rows: their local pieces add
-            g = _local(w.grad) if w.grad is not None else torch.zeros_like(_local(w))
+            g = (fsdp_compose.local(w.grad) if w.grad is not None
+                 else torch.zeros_like(fsdp_compose.local(w)))
         else:  # a middle stage: the tensor the two ends sum, [V/tp, h] (its dp rows under FSDP)
             v, h = self.full_key_shapes[f"{emb}.weight"]
             rows = v // self.tp.world

@@ -1,0 +1,149 @@
+"""The steps ``parallelize`` composes (pyfused/parallelize/api.py), in the order it runs them.
+
+  check_locally       what needs no communication: the mesh's dims, the plan, the tensor-parallel
+                      and pipeline checks, the options; the first problem found, or None;
+  agree_across_ranks  the first collective: one fixed-size exchange per mesh dim (checks.agree);
+                      any rank's problem, or ranks that differ, raise the same ParallelizeError on
+                      every rank;
+  apply_tp            tensor (and sequence) parallelism on the tp dim, in place;
+  apply_pipeline      with pp > 1, in place of apply_tp and data parallelism: this rank's pipeline
+                      stage, which applies both to the modules it keeps (pipeline.py);
+  apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
+  apply_ddp           pyfused's DistributedDataParallel on the dp dim.
+
+Every step after the agreement runs the same collectives in the same order on every rank, since
+all ranks agreed on the model, the mesh, the plan and the options.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch.nn as nn
+
+from .. import comm
+from ..fsdp import compose as fsdp_compose
+from ..layers import DistributedDataParallel
+from . import checks as checks_mod
+from . import pipeline as pp_mod
+from . import plans as plans_mod
+from . import tensor_parallel as tp_mod
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh as DeviceMeshType
+except ImportError:  # pragma: no cover - torch without DeviceMesh
+    DeviceMeshType = ()
+
+MESH_DIMS = checks_mod.MESH_DIMS
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+class MeshInfo:
+    """Size, group and this rank's coordinate of each of dp / tp / pp (size 1 where absent)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        self.names = names
+        self.size: Dict[str, int] = {d: 1 for d in MESH_DIMS}
+        self.group: Dict[str, Any] = {d: None for d in MESH_DIMS}
+        self.coord: Dict[str, int] = {d: 0 for d in MESH_DIMS}
+        for i, name in enumerate(names):
+            if name in MESH_DIMS:
+                self.size[name] = mesh.size(i)
+                self.group[name] = mesh.get_group(name)
+                self.coord[name] = mesh.get_local_rank(name)
+        # the mesh's own groups would otherwise keep torch's default timeout (docs/FAULTS.md)
+        comm.faults.inherit_default_timeout(self.group.values())
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def mesh_problem(mesh) -> Optional[str]:
+    """Why ``mesh`` is not a DeviceMesh with distinct dims named among MESH_DIMS, or None."""
+    if not isinstance(mesh, DeviceMeshType):
+        return f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}"
+    names = tuple(mesh.mesh_dim_names or ())
+    if len(names) != mesh.ndim:
+        return "mesh needs named dims: init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
+    bad = [n for n in names if n not in MESH_DIMS]
+    if bad or len(set(names)) != len(names):
+        return f"mesh dims must be distinct names among {MESH_DIMS}; got {names}"
+    return None
+
+
+def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str, pipeline_options: Dict
+                  ) -> Tuple[Optional[MeshInfo], Optional[plans_mod.ResolvedPlan], Optional[str]]:
+    """(the mesh's dims, the resolved plan, the first problem or None), without communication.
+
+    Checked in this order, each only when everything before passed: the mesh's dims, the plan
+    (``"auto"`` picks the family from ``config.model_type``; every parameter covered), what tensor
+    parallelism needs (every sharded size divisible, fused layouts, the sequence-parallel region),
+    what the pipeline needs (pp > 1), ``dp``, and no pipeline options without a pp dim. The mesh's
+    dims are None when the mesh is unusable, the plan when it does not resolve."""
+    problem = mesh_problem(mesh)
+    if problem is not None:
+        return None, None, problem
+    info = MeshInfo(mesh)
+    try:
+        resolved = plans_mod.resolve(model, plans_mod.auto_plan(model) if plan == "auto" else plan)
+    except plans_mod.PlanError as e:
+        return info, None, str(e)
+    pp = info.size["pp"]
+    problem = tp_mod.check(model, resolved, info.size["tp"], sequence_parallel)
+    if problem is None and pp > 1:
+        problem = pp_mod.check(model, resolved, pp, pipeline_options)
+    if problem is None and dp not in DATA_PARALLEL:
+        problem = f"dp must be 'ddp' or 'fsdp', got {dp!r}"
+    if problem is None and pp == 1 and pipeline_options:
+        problem = (f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp "
+                   "dim > 1")
+    return info, resolved, problem
+
+
+def agree_across_ranks(model: nn.Module, mesh, info: Optional[MeshInfo], plan, options: tuple,
+                       problem: Optional[str], check_weights: bool) -> None:
+    """The first collective of ``parallelize``: raise the same ParallelizeError on every rank when
+    any rank has a problem, or the ranks differ in model, weights (``check_weights``), mesh, plan or
+    ``options``. Every rank of the mesh calls it, whatever ``check_locally`` found."""
+    claims = checks_mod.Claims(
+        info.mesh if info else None, problem=problem, model=model if check_weights else None,
+        alike={"model": checks_mod.model_fingerprint(model),
+               "mesh": checks_mod.fingerprint((info.names, tuple(mesh.shape))) if info else 0,
+               "plan": checks_mod.fingerprint(plan), "options": checks_mod.fingerprint(options)})
+    msg = checks_mod.agree(claims)
+    if msg is not None:
+        raise checks_mod.ParallelizeError(f"pyfused.parallelize: {msg}")
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+def apply_tp(model: nn.Module, resolved: plans_mod.ResolvedPlan, tp: tp_mod.TensorParallel) -> None:
+    """Tensor (and sequence) parallelism on the tp dim, in place; nothing at tp = 1."""
+    if tp.world > 1:
+        tp.apply(model, resolved)
+
+
+def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
+                   tp: tp_mod.TensorParallel, dp: str,
+                   pipeline_options: Dict) -> pp_mod.PipelinedModel:
+    """This rank's pipeline stage and its schedule: the cut is decided on the full model, then TP
+    and ``dp`` apply to the modules the stage keeps (pipeline.py)."""
+    return pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, **pipeline_options)
+
+
+def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
+               tp: tp_mod.TensorParallel) -> nn.Module:
+    """``fully_shard`` over the dp dim, after TP (each block a unit, then the model; the TP specs
+    follow the parameters to their shards): the model, sharded in place (itself at dp = 1)."""
+    if info.size["dp"] > 1:
+        fsdp_compose.shard_model(model, resolved.blocks[0] if resolved.blocks else None,
+                                 info.mesh["dp"], tp.param_specs)
+    return model
+
+
+def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
+    """The model under pyfused's DistributedDataParallel over the dp dim (itself at dp = 1)."""
+    if info.size["dp"] > 1:
+        return DistributedDataParallel(model, process_group=info.group["dp"])
+    return model
