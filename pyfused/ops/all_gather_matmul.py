@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
 from . import _common, _fused
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "all_gather_matmul"
@@ -141,19 +141,33 @@ def _backward(ctx, grad_out, _grad_gathered):
 _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plan(group, method, a, b) -> _common.Plan:
+    return _common.plan_matmul(OP, a, b, group, method)
+
+
+def _local(group, method, a, b) -> Tensor:
+    return torch.matmul(a, b)  # one rank, no autograd graph: the product is the whole op
+
+
+def _direct(plan, group, method, a, b) -> Tensor:
+    if a.dim() == 2:
+        return _run(a, b, plan.pg, plan.method, False)[0]
+    out, _ = _run(a.reshape(-1, a.shape[-1]), b, plan.pg, plan.method, False)
+    return out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+
+
+def _registered(plan, group, method, a, b) -> Tensor:
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    keep = torch.is_grad_enabled() and b.requires_grad
+    out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
+                             plan.method, keep)
+    return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
-    if plan is None:
-        plan = _common.plan_matmul(OP, a, b, group, method)
-    if plan.local:  # one rank, no autograd graph: the product is the whole op
-        return a @ b
-    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if plan.direct:
-        out, _ = _run(a2, b, plan.pg, plan.method, False)
-    else:
-        keep = torch.is_grad_enabled() and b.requires_grad
-        out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
-                                 plan.method, keep)
-    return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+    return _dispatch(group, method, a, b)
+

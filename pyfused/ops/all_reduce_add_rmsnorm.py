@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
 from . import _common, _fused
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "all_reduce_add_rmsnorm"
@@ -245,7 +245,7 @@ def _auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
     return _common.auto_preference(OP, pg, tensors, fused_ok)
 
 
-def _plan(x, residual, weight, eps, group, method, chunks) -> _common.Plan:
+def _plan(group, method, chunks, eps, x, residual, weight) -> _common.Plan:
     """The plan of a call that the plan cache did not hold."""
     if torch.compiler.is_compiling():
         return _common.traced_plan(OP, group, method, chunks)
@@ -254,23 +254,35 @@ def _plan(x, residual, weight, eps, group, method, chunks) -> _common.Plan:
                             (group, method, chunks, eps, x, residual, weight))
 
 
+def _local(group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    return add_rmsnorm(x, residual, weight, float(eps))  # one rank, no autograd: x is the sum
+
+
+def _direct(plan, group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    if x.dim() == 2:
+        return _run(x, residual, weight, float(eps), plan.pg, plan.method, plan.chunks)
+    h = x.shape[-1]
+    normed, new_residual = _run(x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps),
+                                plan.pg, plan.method, plan.chunks)
+    return normed.view(x.shape), new_residual.view(x.shape)
+
+
+def _registered(plan, group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    flat = x.dim() == 2
+    h = x.shape[-1]
+    args = (x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))
+    normed, new_residual = _common.call_op(plan, torch.ops.pyfused.all_reduce_add_rmsnorm, *args,
+                                           weight, float(eps), plan.group_name, plan.method,
+                                           plan.chunks)
+    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, chunks, eps, x, residual, weight)
-    if plan is None:
-        plan = _plan(x, residual, weight, eps, group, method, chunks)
-    if plan.local:  # one rank, no autograd graph: x is already the sum
-        return add_rmsnorm(x, residual, weight, float(eps))
-    flat = x.dim() == 2
-    h = x.shape[-1]
-    args = ((x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))) + (weight,
-                                                                                       float(eps))
-    if plan.direct:
-        normed, new_residual = _run(*args, plan.pg, plan.method, plan.chunks)
-    else:
-        normed, new_residual = _common.call_op(plan, torch.ops.pyfused.all_reduce_add_rmsnorm, *args,
-                                               plan.group_name, plan.method, plan.chunks)
-    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
+    return _dispatch(group, method, chunks, eps, x, residual, weight)
+

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
 from . import _common, _fused
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "matmul_reduce_scatter"
@@ -122,18 +122,32 @@ def _backward(ctx, grad_out):
 _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plan(group, method, a, b) -> _common.Plan:
+    return _common.plan_matmul(OP, a, b, group, method)
+
+
+def _local(group, method, a, b) -> Tensor:
+    return torch.matmul(a, b)  # one rank, no autograd graph: the product is the whole op
+
+
+def _direct(plan, group, method, a, b) -> Tensor:
+    if a.dim() == 2:
+        return _run(a, b, plan.pg, plan.method)
+    out = _run(a.reshape(-1, a.shape[-1]), b, plan.pg, plan.method)
+    return out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+
+
+def _registered(plan, group, method, a, b) -> Tensor:
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
+                          plan.method)
+    return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
-    if plan is None:
-        plan = _common.plan_matmul(OP, a, b, group, method)
-    if plan.local:  # one rank, no autograd graph: the product is the whole op
-        return a @ b
-    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if plan.direct:
-        out = _run(a2, b, plan.pg, plan.method)
-    else:
-        out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
-                              plan.method)
-    return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+    return _dispatch(group, method, a, b)
+
