@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from . import _common, _fused
+from . import _common, _fused, _hooks
 from ._dispatch import dispatcher
 from .registry import OPS
 
@@ -171,3 +171,74 @@ def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto")
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
     return _dispatch(group, method, a, b)
 
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+
+def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (a [rows, ..., k], its shard; b [k, n], its own weight)."""
+    return _hooks.gemm_inputs(world, rows, n, k, dtype, device, seed, gathered=True)
+
+
+def reference_per_rank(inputs):
+    """Every rank's shard gathered, times that rank's own weight."""
+    shards = [a for a, _ in inputs]
+    return [all_gather_matmul_ref(shards, b) for _, b in inputs]
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    a, b = tensors
+    return (a, b, group_name, "decomposed", True)
+
+
+def plain_torch(tensors, pg):
+    """torch.distributed's all-gather (none on one rank), then the GEMM."""
+    a, b = tensors
+    world = comm.world_size(pg)
+
+    def all_gather_then_matmul():
+        if world == 1:
+            return a @ b
+        gathered = a.new_empty((world * a.shape[0], a.shape[1]))
+        comm.all_gather_single(gathered, a, group=pg)
+        return gathered @ b
+    return all_gather_then_matmul
+
+
+def virtual_cases():
+    """The forward; the forward keeping the gathered input (what autograd needs for b's gradient);
+    and the backward w.r.t. a, which is matmul_reduce_scatter's kernel on grad and b^T."""
+    reference = _hooks.in_fp64(reference_per_rank)
+    return {
+        OP: _hooks.case(make_inputs, fused_on_rank, unfused_all_visible, reference,
+                        _hooks.gemm_flop),
+        f"{OP}.keep_gathered": _hooks.case(make_inputs, _fused_keeping_gathered,
+                                           _unfused_keeping_gathered, _with_gathered(reference),
+                                           _hooks.gemm_flop),
+        f"{OP}.bwd": _hooks.backward_case(OPS["matmul_reduce_scatter"]),
+    }
+
+
+def fused_on_rank(pg, a, b, **kw) -> Tensor:
+    return OPS[OP].fused_function()(a, b, pg, False, **kw)[0]
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    return torch.cat([a for a, _ in inputs]) @ inputs[rank][1]
+
+
+def _fused_keeping_gathered(pg, a, b, **kw) -> Tuple[Tensor, Tensor]:
+    return OPS[OP].fused_function()(a, b, pg, True, **kw)
+
+
+def _unfused_keeping_gathered(inputs, rank: int) -> Tuple[Tensor, Tensor]:
+    gathered = torch.cat([a for a, _ in inputs])
+    return gathered @ inputs[rank][1], gathered
+
+
+def _with_gathered(reference):
+    def both(inputs):
+        gathered = torch.cat([a.double() for a, _ in inputs])
+        return [(out, gathered) for out in reference(inputs)]
+    return both

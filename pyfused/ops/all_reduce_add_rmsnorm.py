@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
-from . import _common, _fused
+from . import _common, _fused, _hooks
 from ._dispatch import dispatcher
 from .registry import OPS
 
@@ -286,3 +286,69 @@ def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
     return _dispatch(group, method, chunks, eps, x, residual, weight)
 
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+SAMPLE_EPS = 1e-6  # the eps of the hooks' calls: the op's default
+
+
+def make_inputs(world, rows, n, k=0, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (x [rows, ..., n], residual, weight [n]); the residual stream and the weight
+    are replicated, as in a tensor-parallel model. ``k`` is unused (no GEMM)."""
+    lead = _hooks.leading_dims(rows)
+    g = torch.Generator().manual_seed(seed)
+    residual = _hooks.randn(g, (*lead, n), dtype, device)
+    weight = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
+    return [(_hooks.randn(g, (*lead, n), dtype, device), residual, weight) for _ in range(world)]
+
+
+def reference_per_rank(inputs):
+    """(normed, new_residual) of the sum of every rank's x plus the residual, on every rank."""
+    ref = all_reduce_add_rmsnorm_ref([x for x, _, _ in inputs], inputs[0][1], inputs[0][2],
+                                     SAMPLE_EPS)
+    return [ref] * len(inputs)
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    x, residual, weight = tensors
+    return (x, residual, weight, SAMPLE_EPS, group_name, "decomposed", 2)
+
+
+def plain_torch(tensors, pg):
+    """torch.distributed's all_reduce (none on one rank), ``+`` and F.rms_norm."""
+    x, residual, weight = tensors
+    world = comm.world_size(pg)
+
+    def all_reduce_add_rms_norm():
+        h = x.clone()
+        if world > 1:
+            dist.all_reduce(h, group=pg)
+        h = h + residual
+        return F.rms_norm(h, (h.shape[-1],), weight, SAMPLE_EPS), h
+    return all_reduce_add_rms_norm
+
+
+def virtual_cases():
+    """The fused kernel with each all-reduce algorithm forced (one-shot, two-shot)."""
+    from ..fused.config import ONE_SHOT, TWO_SHOT
+
+    reference = _hooks.in_fp64(reference_per_rank)
+    return {f"{OP}.{name}": _hooks.case(make_inputs, _fused_with(algo), unfused_all_visible,
+                                        reference, lambda w, rows, n, k: 0.0)
+            for name, algo in (("one_shot", ONE_SHOT), ("two_shot", TWO_SHOT))}
+
+
+def _fused_with(algo: int):
+    def fused_on_rank(pg, x, residual, weight, **kw) -> Tensor:
+        return OPS[OP].fused_function()(x, residual, weight, SAMPLE_EPS, pg, algo=algo, **kw)[0]
+    return fused_on_rank
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    """The normed output of the sum of every rank's x (fp32 accumulation) plus the residual."""
+    h = inputs[0][1].float()
+    for x, _, _ in inputs:
+        h += x.float()
+    h = h.to(inputs[0][0].dtype)
+    return F.rms_norm(h, (h.shape[-1],), inputs[0][2], SAMPLE_EPS)

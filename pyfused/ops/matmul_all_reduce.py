@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from . import _common, _fused
+from . import _common, _fused, _hooks
 from ._dispatch import dispatcher
 from .registry import OPS
 
@@ -134,3 +134,52 @@ def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
     sets how many row pieces overlap their all-reduce with the next GEMM."""
     return _dispatch(group, method, chunks, a, b)
 
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+
+def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (a [rows * W, ..., k], b [k, n])."""
+    return _hooks.gemm_inputs(world, rows, n, k, dtype, device, seed, gathered=False)
+
+
+def reference_per_rank(inputs):
+    """The sum of every rank's a @ b, on every rank."""
+    total = matmul_all_reduce_ref([a for a, _ in inputs], [b for _, b in inputs])
+    return [total] * len(inputs)
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    a, b = tensors
+    return (a, b, group_name, "decomposed", 2)
+
+
+def plain_torch(tensors, pg):
+    """The GEMM, then torch.distributed's all_reduce (none on one rank)."""
+    a, b = tensors
+    world = comm.world_size(pg)
+
+    def matmul_then_all_reduce():
+        y = a @ b
+        if world > 1:
+            dist.all_reduce(y, group=pg)
+        return y
+    return matmul_then_all_reduce
+
+
+def virtual_cases():
+    return {OP: _hooks.case(make_inputs, fused_on_rank, unfused_all_visible,
+                            _hooks.in_fp64(reference_per_rank), _hooks.gemm_flop)}
+
+
+def fused_on_rank(pg, a, b, **kw) -> Tensor:
+    return OPS[OP].fused_function()(a, b, pg, **kw)
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    """The all-reduce as a sum of every rank's product (fp32 accumulation, the input dtype out)."""
+    out = (inputs[0][0] @ inputs[0][1]).float()
+    for a, b in inputs[1:]:
+        out += (a @ b).float()
+    return out.to(inputs[0][0].dtype)
