@@ -7,6 +7,7 @@ Environment switches: PYFUSED_SKIP_CUDA_BUILD=1 (build no extension), TORCH_CUDA
 (default below), MAX_JOBS (default from cores and free memory), CUDA_HOME (toolkit root; found
 otherwise), PYFUSED_REQUIRE_EXT=1 (fail instead of building without _C; CI sets it).
 """
+import glob
 import importlib.util
 import os
 import subprocess
@@ -17,14 +18,24 @@ from setuptools.command.develop import develop as _setuptools_develop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0a"  # A100, H100 (9.0a: sm_90a features)
-# Both relative to HERE: setuptools wants relative source paths.
-SOURCES = ["csrc/flags.cpp", "csrc/flags_cuda.cu",  # distinct stems: each compiles to <stem>.o
-           "csrc/allreduce.cpp", "csrc/allreduce_cuda.cu", "csrc/plan_cache.cpp"]
 GIB_PER_COMPILE_JOB = 3  # peak RSS of one nvcc/g++ job on a torch-including file, with margin
 
 
 def say(msg):
     print(f"[pyfused setup] {msg}", flush=True)
+
+
+def cuda_sources():
+    """Every .cpp and .cu file in csrc/, relative to HERE (setuptools wants relative paths). Each
+    compiles to <stem>.o, so no two may share a stem (hence csrc/flags.cpp beside flags_cuda.cu)."""
+    sources = sorted(os.path.relpath(path, HERE) for pattern in ("*.cpp", "*.cu")
+                     for path in glob.glob(os.path.join(HERE, "csrc", pattern)))
+    stems = [os.path.splitext(os.path.basename(path))[0] for path in sources]
+    shared = sorted({stem for stem in stems if stems.count(stem) > 1})
+    if shared:
+        sys.exit(f"[pyfused setup] csrc/ sources share a stem, and each compiles to <stem>.o: "
+                 f"{shared}")
+    return sources
 
 
 def load_ext_helpers():
@@ -108,7 +119,7 @@ def cuda_extension():
     say("include dirs from nvidia wheels: " + (", ".join(wheel_includes) or "none found"))
     ext = cpp_extension.CUDAExtension(
         name="pyfused._C",
-        sources=SOURCES,
+        sources=cuda_sources(),
         include_dirs=[toolkit.include] + wheel_includes,
         extra_compile_args={"cxx": ["-O2"], "nvcc": ["-O2", "-lineinfo"]},
     )

@@ -2,11 +2,12 @@
 
 At latency-bound shapes (a few rows: the host's per-call work is what the time is made of) each op
 of the registry (pyfused/ops/registry.py) runs with methods unfused, decomposed, fused and auto, and
-beside it, in the same run and on the same inputs, the plain-torch program a user would write:
-``a @ b`` plus the torch.distributed collective (all_gather_single then the GEMM; the GEMM then
-all_reduce or reduce_scatter_single), and for all_reduce_add_rmsnorm ``all_reduce``, ``+`` and
-``torch.nn.functional.rms_norm``. At world size 1 the plain program is the computation alone (the
-ops skip the collective of a one-rank group, so they are held to the stricter baseline).
+beside it, in the same run and on the same inputs, the plain-torch program a user would write
+(the op's ``plain_torch`` hook): ``a @ b`` plus the torch.distributed collective
+(all_gather_single then the GEMM; the GEMM then all_reduce or reduce_scatter_single), and for
+all_reduce_add_rmsnorm ``all_reduce``, ``+`` and ``torch.nn.functional.rms_norm``. At world
+size 1 the plain program is the computation alone (the ops skip the collective of a one-rank
+group, so they are held to the stricter baseline).
 
 Both world sizes are measured in one run: the run's group (2 ranks by default on CPU) and a group
 of rank 0 alone, while the other ranks wait. A sample times ``CALLS`` back-to-back calls after a
@@ -41,7 +42,6 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pyfused import comm
 from pyfused.comm import plans
@@ -53,53 +53,12 @@ MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
 CHECKED = "unfused, validate=always"  # the row of the check's own cost
 EPS = 1e-6
-# Per-rank (rows, K, N) of the GEMM ops and (rows, hidden) of all_reduce_add_rmsnorm.
+# Per-rank (rows, K, N) of the GEMM ops, (rows, hidden) of the others (x, residual, weight).
 GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
 NORM_SHAPES = {"cpu": [(16, 256), (64, 1024)], "cuda": [(16, 4096), (128, 8192)]}
 CALLS = {"cpu": 1, "cuda": 200}
 SAMPLES = {"cpu": 801, "cuda": 101}  # rounds; --quick: QUICK_SAMPLES
 QUICK_SAMPLES = 3
-
-
-def _plain_torch(op: str, tensors, pg) -> Callable[[], object]:
-    """The same work as ``op`` in plain torch on ``pg``."""
-    world = comm.world_size(pg)
-    collective = OPS[op].collective
-    if not OPS[op].gemm:
-        x, residual, weight = tensors
-
-        def norm():
-            h = x.clone()
-            if world > 1:
-                dist.all_reduce(h, group=pg)
-            h = h + residual
-            return F.rms_norm(h, (h.shape[-1],), weight, EPS), h
-        return norm
-    a, b = tensors
-    if collective == "all_gather":
-        def all_gather():
-            if world == 1:
-                return a @ b
-            gathered = a.new_empty((world * a.shape[0], a.shape[1]))
-            comm.all_gather_single(gathered, a, group=pg)
-            return gathered @ b
-        return all_gather
-    if collective == "reduce_scatter":
-        def reduce_scatter():
-            y = a @ b
-            if world == 1:
-                return y
-            out = y.new_empty((y.shape[0] // world, y.shape[1]))
-            comm.reduce_scatter_single(out, y, group=pg)
-            return out
-        return reduce_scatter
-
-    def all_reduce():
-        y = a @ b
-        if world > 1:
-            dist.all_reduce(y, group=pg)
-        return y
-    return all_reduce
 
 
 def _inputs(op: str, shape: Tuple[int, ...], world: int, ctx: BenchContext):
@@ -184,7 +143,7 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     tensors, label, dtype = _inputs(op, shape, world, ctx)
     fn = OPS[op].function
     args = (*tensors, EPS, pg) if not OPS[op].gemm else (*tensors, pg)
-    variants: Dict[str, Callable[[], object]] = {"torch": _plain_torch(op, tensors, pg)}
+    variants: Dict[str, Callable[[], object]] = {"torch": OPS[op].plain_torch(tensors, pg)}
     unavailable: Dict[str, str] = {}
     for method in METHODS:
         call = (lambda m=method: fn(*args, method=m))

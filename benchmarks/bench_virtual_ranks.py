@@ -22,6 +22,7 @@ from typing import Dict, List
 import torch
 
 from pyfused.bench.harness import BenchContext, op_row, time_interleaved
+from pyfused.ops.registry import OPS
 
 MULTI_RANK = False
 
@@ -33,8 +34,15 @@ QUICK_ROWS = 128
 SKIP_STATUS = "skipped: needs a CUDA GPU (virtual ranks are CUDA streams of one context)"
 
 
-def _shape(name: str, quick: bool) -> Dict[str, int]:
-    shape = dict(NORM_SHAPE if name.startswith("all_reduce_add_rmsnorm") else GEMM_SHAPE)
+def _cases():
+    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py)."""
+    from pyfused.fused.virtual_cases import cases
+
+    return cases(OPS.values())
+
+
+def _shape(case, quick: bool) -> Dict[str, int]:
+    shape = dict(GEMM_SHAPE if OPS[case.op].gemm else NORM_SHAPE)
     if quick:
         shape["rows"] = QUICK_ROWS
     return shape
@@ -43,7 +51,7 @@ def _shape(name: str, quick: bool) -> Dict[str, int]:
 def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
     from pyfused.fused.virtual_cases import max_rel_error, run_unfused
 
-    shape = _shape(name, ctx.quick)
+    shape = _shape(case, ctx.quick)
     inputs = case.make(group.world, shape["rows"], shape["n"], shape["k"], ctx.dtype, group.device, 0)
     label = f"W={group.world} rows={shape['rows']} n={shape['n']}" + (f" k={shape['k']}" if shape["k"] else "")
     common = dict(shape=label, dtype=ctx.dtype, transport=TRANSPORT, world=group.world, case=name,
@@ -65,9 +73,9 @@ def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
 
 
 def run(ctx: BenchContext) -> List[dict]:
-    from pyfused.fused.virtual_cases import CASES
     from pyfused.fused.virtual_ranks import VirtualGroup
 
+    CASES = _cases()
     if ctx.device.type != "cuda":
         return [op_row(ctx, shape=f"W={w}", dtype=ctx.dtype, method=m, transport=TRANSPORT, ms=None,
                        status=SKIP_STATUS, case=name, world=w)
@@ -86,15 +94,15 @@ def run(ctx: BenchContext) -> List[dict]:
 def warm(dtypes=(torch.bfloat16, torch.float16)) -> None:
     """Run every case once per W and dtype at the shapes the tests and this suite use (compiles
     every Triton variant they need into the cache)."""
-    from pyfused.fused.virtual_cases import CASES
     from pyfused.fused.virtual_ranks import VirtualGroup
 
+    CASES = _cases()
     test_shape = dict(rows=384, n=1280, k=1024)  # tests/test_virtual_ranks.py GPU_SHAPE
     for dtype in dtypes:  # bf16 first: the benchmark's dtype, in case the step runs out of time
         for w in WORLDS:
             group = VirtualGroup(w, "cuda")
             for name, case in CASES.items():
-                for shape in (test_shape, _shape(name, False)):
+                for shape in (test_shape, _shape(case, False)):
                     shape = dict(shape, k=shape["k"] or 1)
                     group.run(case.fused, case.make(w, shape["rows"], shape["n"], shape["k"], dtype,
                                                     group.device, 0))

@@ -10,9 +10,11 @@ Spawns ``--world`` ranks on this host's GPU(s) (rank r on cuda:r % count), joine
 the fused implementations (pyfused/fused) need a group only for the symmetric-buffer exchange and
 their buffers' barriers, and gloo keeps NCCL's own kernels out of the sanitizer's report. Each rank
 runs every fused kernel on small odd shapes -- the custom all-reduce (one-shot and two-shot, every
-epilogue), GEMM + all-reduce, all-gather + GEMM, GEMM + reduce-scatter -- ``--iters`` times, checks
-the results against fp64 references on the CPU, frees its buffers and exits 0; any mismatch or
-error exits 1 (and the sanitizer exits 9 on a memory or race error it found).
+epilogue), then every case of every fused op (pyfused/fused/virtual_cases.py, from the op
+registry: GEMM + all-reduce, all-gather + GEMM, GEMM + reduce-scatter, their backwards, ...) --
+``--iters`` times, checks the results against fp64 references on the CPU, frees its buffers and
+exits 0; any mismatch or error exits 1 (and the sanitizer exits 9 on a memory or race error it
+found).
 
 ``--virtual`` runs the ranks as virtual ranks of this one process instead
 (pyfused/fused/virtual_ranks.py: one stream and an SM share per rank, truly concurrent on one GPU),
@@ -47,14 +49,23 @@ def _close(got, want, tol, what):
         raise AssertionError(f"{what}: relative error {err:.3g} > {tol}")
 
 
+def _cases():
+    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py): each fused
+    op's inputs, fused call and fp64 reference."""
+    from pyfused.fused.virtual_cases import cases
+    from pyfused.ops.registry import OPS
+
+    return cases(OPS.values())
+
+
 def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
     import torch
     import torch.distributed as dist
 
     from pyfused.comm.symmetric import free_all
-    from pyfused.fused.all_reduce import all_reduce_rows, fused_all_reduce_add_rmsnorm, fused_matmul_all_reduce
+    from pyfused.fused.all_reduce import all_reduce_rows
     from pyfused.fused.config import ONE_SHOT, TWO_SHOT
-    from pyfused.fused.gemm_collectives import fused_all_gather_matmul, fused_matmul_reduce_scatter
+    from pyfused.fused.virtual_cases import max_rel_error
 
     if cpu:
         dev, kw = torch.device("cpu"), {"backend": "host-shm"}
@@ -66,6 +77,7 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
     # The Triton interpreter computes bf16 dots wrongly on CPU (tests/test_gemm.py checks bf16 on GPUs
     # only), so the CPU check of this driver uses float16.
     dtypes = (torch.float32, torch.float16) if cpu else (torch.float32, torch.bfloat16)
+    cases = _cases()
 
     def per_rank(seed, shape, dtype):
         g = torch.Generator().manual_seed(seed)
@@ -73,6 +85,7 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
 
     for it in range(iters):
         for dtype in dtypes:
+            # the all-reduce kernel with every epilogue
             for rows, cols in ((1, 1), (7, 17), (130, 40)):
                 xs = per_rank(it + rows, (rows, cols), dtype)
                 res = per_rank(it + 1000, (rows, cols), dtype)[0]
@@ -85,21 +98,13 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
                                           weight=w.to(dev), eps=1e-6, algo=algo, **kw)
                     _close(res_out, h, tol[dtype], f"all_reduce_rows h {rows}x{cols} algo {algo}")
                     _close(out, ref, tol[dtype], f"all_reduce_rows norm {rows}x{cols} algo {algo}")
-            normed, new_res = fused_all_reduce_add_rmsnorm(xs[rank].to(dev), res.to(dev), w.to(dev), 1e-6, pg, **kw)
-            _close(new_res, h, tol[dtype], "fused_all_reduce_add_rmsnorm")
-
-            a = per_rank(it + 3, (4 * world, 48), dtype)
-            b = per_rank(it + 4, (48, 40), dtype)
-            total = sum(x.double() @ y.double() for x, y in zip(a, b))
-            _close(fused_matmul_all_reduce(a[rank].to(dev), b[rank].to(dev), pg, **kw), total, tol[dtype],
-                   "fused_matmul_all_reduce")
-            m = 4
-            _close(fused_matmul_reduce_scatter(a[rank].to(dev), b[rank].to(dev), pg, **kw),
-                   total[rank * m:(rank + 1) * m], tol[dtype], "fused_matmul_reduce_scatter")
-            shards = per_rank(it + 5, (3, 48), dtype)
-            out, gathered = fused_all_gather_matmul(shards[rank].to(dev), b[rank].to(dev), pg, True, **kw)
-            _close(out, torch.cat(shards).double() @ b[rank].double(), tol[dtype], "fused_all_gather_matmul")
-            _close(gathered, torch.cat(shards), 0.0, "gathered")
+            # every fused op, as its cases say (rows 3: a rank's own rows, odd; n 40, k 48)
+            for name, case in cases.items():
+                inputs = case.make(world, 3, 40, 48, dtype, torch.device("cpu"), it)
+                out = case.fused(pg, *(t.to(dev) for t in inputs[rank]), **kw)
+                err = max_rel_error([out], case.reference(inputs)[rank:rank + 1])
+                if not err <= tol[dtype]:
+                    raise AssertionError(f"{name}: relative error {err:.3g} > {tol[dtype]}")
     if not cpu:
         from pyfused.fused.gemm_collectives import TIMEOUTS
 
@@ -113,7 +118,7 @@ def _virtual_main(world: int, iters: int, cpu: bool) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before pyfused.kernels is imported
     import torch
 
-    from pyfused.fused.virtual_cases import CASES, max_rel_error
+    from pyfused.fused.virtual_cases import max_rel_error
     from pyfused.fused.virtual_ranks import VirtualGroup
 
     dtype, (rows, n, k) = (torch.float32, (6, 20, 12)) if cpu else (torch.bfloat16, (40, 72, 96))
@@ -121,7 +126,7 @@ def _virtual_main(world: int, iters: int, cpu: bool) -> int:
     group = VirtualGroup(world, "cpu" if cpu else "cuda")
     failed = 0
     for it in range(iters):
-        for name, case in CASES.items():
+        for name, case in _cases().items():
             inputs = case.make(world, rows, n, k, dtype, group.device, it)
             err = max_rel_error(group.run(case.fused, inputs), case.reference(inputs))
             if not err <= tol:

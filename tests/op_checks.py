@@ -1,29 +1,27 @@
-"""Rank bodies shared by the three GEMM+collective op tests.
+"""Rank bodies shared by the tests of the GEMM + collective ops (any GEMM op of the registry).
 
 Every rank builds all ranks' inputs from one seed, so it can compute the single-device fp64
-reference of the whole group with autograd, then compares its own output and gradients with it.
-Losses: for all_gather_matmul and matmul_reduce_scatter each rank's output is a different tensor, so
-the reference loss is sum_q <Y_q, G_q>; for matmul_all_reduce the output is replicated and the loss
-is counted once, <Y, G> with the same G on every rank (the tensor-parallel convention).
+reference of the whole group with autograd (the op's ``reference_per_rank`` hook), then compares
+its own output and gradients with it. Losses: where each rank's output is a different tensor
+(all_gather_matmul, matmul_reduce_scatter) the reference loss is sum_q <Y_q, G_q>; where the output
+is replicated (``OpSpec.replicated``: matmul_all_reduce) the loss is counted once, <Y, G> with the
+same G on every rank (the tensor-parallel convention).
 """
 from __future__ import annotations
 
 import torch
 
-import pyfused.ops as ops
-from pyfused.ops.registry import GEMM_OPS, OPS as OPS_REGISTRY
+from pyfused.ops.registry import OPS
 from pyfused.comm import InputError
 from tests.utils import assert_close, rank_tensors, test_device
 
-OPS = {name: OPS_REGISTRY[name].function for name in GEMM_OPS}
 
-
-def reference(op: str, a64, b64, rank: int, world: int):
-    if op == "all_gather_matmul":
-        return [ops.all_gather_matmul_ref(a64, b64[q]) for q in range(world)]
-    if op == "matmul_reduce_scatter":
-        return [ops.matmul_reduce_scatter_ref(a64, b64, q) for q in range(world)]
-    return [ops.matmul_all_reduce_ref(a64, b64)]
+def reference(op: str, a64, b64):
+    """Every rank's reference output (the registry's ``reference_per_rank``); one for all ranks
+    where the output is replicated, so that a loss counts it once."""
+    spec = OPS[op]
+    outs = spec.reference_per_rank(list(zip(a64, b64)))
+    return outs[:1] if spec.replicated else outs
 
 
 def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, backward=True):
@@ -34,11 +32,11 @@ def check_against_reference(rank, world, op, method, dtype, a_shape, n, seed, ba
     dev = test_device()
     a = a_all[rank].to(dev, copy=True).requires_grad_(backward)
     b = b_all[rank].to(dev, copy=True).requires_grad_(backward)
-    y = OPS[op](a, b, method=method)
+    y = OPS[op].function(a, b, method=method)
 
     a64 = [t.double().requires_grad_(backward) for t in a_all]
     b64 = [t.double().requires_grad_(backward) for t in b_all]
-    ys = reference(op, a64, b64, rank, world)
+    ys = reference(op, a64, b64)
     mine = ys[rank] if len(ys) > 1 else ys[0]
     assert y.dtype == dtype
     assert_close(y, mine, dtype, f"{op}[{method}] output on rank {rank}")
@@ -64,7 +62,7 @@ def error_of(rank, world, op, method, a_shapes, b_shapes, a_dtypes, b_dtypes):
     a = torch.randn(*a_shapes[rank]).to(test_device(), a_dtypes[rank])
     b = torch.randn(*b_shapes[rank]).to(test_device(), b_dtypes[rank])
     try:
-        OPS[op](a, b, method=method)
+        OPS[op].function(a, b, method=method)
     except InputError as e:
         return ("InputError", str(e))
     except Exception as e:  # noqa: BLE001 - the test wants to see what else was raised

@@ -19,11 +19,12 @@ from pyfused.bench.harness import (
     write_results,
 )
 from pyfused.benchmarks import shapes
+from pyfused.ops.registry import OPS
 
 REPO = Path(__file__).resolve().parents[1]
 META = ("device", "backend", "world", "torch", "commit", "time", "validate", "iters", "transport")
-OP_SUITES = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
-             "matmul_all_reduce": "all_reduce"}
+# The GEMM ops' suites (benchmarks/bench_<op>.py) and their collectives.
+OP_SUITES = {name: spec.collective for name, spec in OPS.items() if spec.gemm}
 
 
 def _ctx(world: int) -> BenchContext:
@@ -153,7 +154,6 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
     """The overhead suite: for every op of the registry, at world sizes 1 and 2, plain torch and
     every method, with the ratio computed from the times of the same run."""
     from pyfused.comm import plans
-    from pyfused.ops.registry import OPS
 
     out = tmp_path / "out"
     r = _run([sys.executable, "-m", "pyfused.bench", "--quick", "--world", "2", "--no-progress",
@@ -223,7 +223,7 @@ def test_cli_quick_end_to_end(tmp_path):
                 assert row["speedup"] == pytest.approx(t_unf / t)
                 assert row["overlap_eff"] == pytest.approx((t_gemm + t_comm - t) / min(t_gemm, t_comm))
                 elem = 4  # float32
-                s = (row["m"] * (row["k"] if op == "all_gather_matmul" else row["n"])) * elem
+                s = (row["m"] * (row["k"] if OPS[op].gathers_dim0 else row["n"])) * elem
                 factor = {"all_reduce": 1.0}.get(coll, 0.5)  # 2(n-1)/n or (n-1)/n at n=2
                 assert row["algbw_GBps"] == pytest.approx(s / t / 1e6)
                 assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)

@@ -57,13 +57,8 @@ def _compiled_ops_match_eager(rank, world):
     from pyfused.ops.registry import OPS
 
     torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(3)
     for name, spec in OPS.items():
-        if spec.gemm:
-            inputs = (torch.randn(2 * world, 5, generator=gen), torch.randn(5, 3, generator=gen))
-        else:
-            inputs = (torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen),
-                      torch.randn(6, generator=gen))
+        inputs = spec.make_inputs(world, 2, 3, 5, seed=3)[rank]
         for grad in (False, True):
             fn = spec.function
             eager_in = [t.clone().requires_grad_(grad) for t in inputs]

@@ -2,8 +2,9 @@
 
 Every import statement in pyfused's layers, ops, fused, tune and bench packages, lazy ones inside
 functions included, is an edge between those packages; so is each op registry entry's ``fused``
-(the ops import their fused implementations by that name). ``pyfused/ops/gemm.py`` and
-``reduce.py`` are the launchers of the Triton kernels in ``kernels/`` and count as the kernel layer.
+(the ops import their fused implementations by that name). The modules of ``pyfused/ops/`` named
+after a file of ``kernels/`` (``gemm.py``, ``reduce.py``) are the launchers of its Triton kernels
+and count as the kernel layer.
 The test fails on any cycle and on any edge the layering does not allow, and on any library import
 of ``pyfused.benchmarks`` (the suites depend on the library, never the other way).
 """
@@ -15,7 +16,10 @@ from pyfused.ops.registry import OPS
 
 ROOT = Path(pyfused.__file__).parent
 PACKAGES = ("layers", "ops", "fused", "tune", "bench")
-KERNEL_LAUNCHERS = ("pyfused.ops.gemm", "pyfused.ops.reduce")
+# The launchers of kernels/<family>.py: the ops' modules named after a kernel file.
+KERNEL_LAUNCHERS = tuple(f"pyfused.ops.{path.stem}"
+                         for path in sorted((ROOT / "kernels").glob("[!_]*.py"))
+                         if (ROOT / "ops" / path.name).exists())
 ALLOWED = {("layers", "ops"), ("ops", "fused"), ("ops", "kernels"), ("fused", "kernels"),
            ("ops", "tune"), ("tune", "bench"), ("tune", "ops"), ("bench", "ops")}
 

@@ -32,15 +32,12 @@ def _group_without_wrong_rank():
 
 
 def _op_args(op: str, rank: int, case: str):
-    """(args, kwargs) of ``op`` on this rank: valid everywhere except on WRONG_RANK for ``case``."""
+    """(args, kwargs) of ``op`` on this rank: valid everywhere except on WRONG_RANK for ``case``.
+    The inputs are the op's own (its ``make_inputs`` hook); the group is passed by keyword."""
     wrong = rank == WRONG_RANK
-    gen = torch.Generator().manual_seed(rank)
-    if OPS[op].gemm:
-        tensors = [torch.randn(6, 4, generator=gen), torch.randn(4, 5, generator=gen)]
-    else:
-        tensors = [torch.randn(6, 4, generator=gen), torch.randn(6, 4), torch.ones(4)]
+    tensors = list(OPS[op].make_inputs(WORLD, 2, 5, 4, seed=0)[rank])
     kwargs = {"method": "unfused"}
-    group = _group_without_wrong_rank() if case == "group" and wrong else None
+    kwargs["group"] = _group_without_wrong_rank() if case == "group" and wrong else None
     if wrong and case == "method":
         kwargs["method"] = "fastest"
     if wrong and case == "non-tensor":
@@ -49,8 +46,7 @@ def _op_args(op: str, rank: int, case: str):
         tensors[0].requires_grad_()
     if case == "chunks":
         kwargs.update(method="decomposed", chunks=2 if wrong else 0)
-    args = (*tensors, 1e-6, group) if not OPS[op].gemm else (*tensors, group)
-    return args, kwargs
+    return tuple(tensors), kwargs
 
 
 def _op_error(rank, world, op, case):

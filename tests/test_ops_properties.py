@@ -4,7 +4,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyfused.ops.registry import GEMM_OPS
+from pyfused.ops.registry import GEMM_OPS, OPS as REGISTRY
 
 from tests.op_checks import check_against_reference
 from tests.utils import assert_close, rank_tensors
@@ -17,29 +17,24 @@ OPS = list(GEMM_OPS)
        rows=st.integers(1, 7), mid=st.lists(st.integers(1, 3), max_size=2), k=st.integers(1, 40),
        n=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_shapes_match_reference(ranks, op, world, method, rows, mid, k, n, dtype):
-    d0 = rows * world if op == "matmul_reduce_scatter" else rows
+    d0 = rows * world if REGISTRY[op].scatters_dim0 else rows
     a_shape = (d0, *mid, k)
     assert all(ranks.run(world, check_against_reference, op, method, dtype, a_shape, n, seed=rows + k))
 
 
 def _opcheck(rank, world, op_name):
+    """torch.library.opcheck of the op's registered op on the arguments its ``opcheck_args`` hook
+    gives for this rank's inputs (from ``make_inputs``, with gradients)."""
     from pyfused.comm import group_name, resolve_group
 
-    name = group_name(resolve_group(None))
-    torch.manual_seed(rank)
-    m = 3 * world
-    a = torch.randn(m, 5, requires_grad=True)
-    b = torch.randn(5, 4, requires_grad=True)
-    args = {
-        "all_gather_matmul": (a, b, name, "decomposed", True),
-        "matmul_reduce_scatter": (a, b, name, "decomposed"),
-        "matmul_all_reduce": (a, b, name, "decomposed", 2),
-    }[op_name]
-    torch.library.opcheck(getattr(torch.ops.pyfused, op_name).default, args)
+    spec = REGISTRY[op_name]
+    tensors = [t.requires_grad_() for t in spec.make_inputs(world, 3, 4, 5, seed=rank)[rank]]
+    args = spec.opcheck_args(tensors, group_name(resolve_group(None)))
+    torch.library.opcheck(spec.registered_op, args)
     return True
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(REGISTRY))
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck(ranks, op, world):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of each op."""

@@ -166,15 +166,10 @@ def _repeats_match_first_calls(rank, world, implementation):
 
     plans.use_python_implementation(implementation == "python")
     try:
-        gen = torch.Generator().manual_seed(11)
-        rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
         mismatches = []
         for name, spec in ops_table.items():
-            if spec.gemm:
-                rows = 3 * world if spec.scatters_dim0 else 5
-                inputs = (rand(rows, 2, 6), rand(6, 7))  # 3-D a: the N-D path too
-            else:
-                inputs = (rand(5, 2, 9), rand(5, 2, 9), rand(9))
+            # leading dims (3, 2): the N-D path too
+            inputs = spec.make_inputs(world, (3, 2), 7, 6, seed=11)[rank]
             for method in ("unfused", "decomposed", "auto"):
                 for grad in (False, True):
                     results = []

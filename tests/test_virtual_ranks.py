@@ -26,6 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_SHAPE = dict(rows=6, n=20, k=12)  # odd sizes: partial tiles everywhere
 
 
+def _cases():
+    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py)."""
+    from pyfused.fused.virtual_cases import cases
+    from pyfused.ops.registry import OPS
+
+    return cases(OPS.values())
+
+
 def _group(world, device="cpu", **kw):
     from pyfused.fused.virtual_ranks import VirtualGroup
 
@@ -33,9 +41,9 @@ def _group(world, device="cpu", **kw):
 
 
 def _check_case(group, name, dtype, rows, n, k, seed=0, **run_kw):
-    from pyfused.fused.virtual_cases import CASES, max_rel_error
+    from pyfused.fused.virtual_cases import max_rel_error
 
-    case = CASES[name]
+    case = _cases()[name]
     inputs = case.make(group.world, rows, n, k, dtype, group.device, seed)
     outs = group.run(case.fused, inputs, **run_kw)
     err = max_rel_error(outs, case.reference(inputs))
@@ -48,7 +56,7 @@ def _check_case(group, name, dtype, rows, n, k, seed=0, **run_kw):
 def test_every_case_on_cpu_models(world):
     """Every case (forward, backward, both all-reduce algorithms) matches its fp64 reference with the
     ranks as threads of one process; world 3 catches power-of-two assumptions."""
-    from pyfused.fused.virtual_cases import CASES
+    CASES = _cases()
 
     group = _group(world)
     try:
@@ -125,7 +133,7 @@ def test_sm_budget_reaches_every_launch(monkeypatch):
 def test_all_reduce_bits_do_not_depend_on_the_budget():
     """The all-reduce kernel's block count (capped by the SM budget) changes which block reduces a
     row, never the row's bits: 130 rows over 3 blocks and over 64 give identical outputs."""
-    from pyfused.fused.virtual_cases import CASES
+    CASES = _cases()
 
     for name in ("all_reduce_add_rmsnorm.one_shot", "all_reduce_add_rmsnorm.two_shot"):
         case = CASES[name]
@@ -192,7 +200,9 @@ GPU_SHAPE = dict(rows=384, n=1280, k=1024)  # per rank; rows * W divisible by W;
 def test_gpu_every_case(world, dtype):
     """Each case with truly concurrent ranks, twice (epochs), against the fp64 reference and the
     unfused composition on the same harness."""
-    from pyfused.fused.virtual_cases import CASES, max_rel_error, run_unfused
+    from pyfused.fused.virtual_cases import max_rel_error, run_unfused
+
+    CASES = _cases()
 
     group = _group(world, "cuda")
     try:
@@ -211,7 +221,7 @@ def test_gpu_every_case(world, dtype):
 def test_gpu_adversarial(world):
     """One rank 50 ms late (a sleep kernel on its stream), then NaN in every buffer before the call:
     every case still matches (a read before its flag would show the NaN)."""
-    from pyfused.fused.virtual_cases import CASES
+    CASES = _cases()
 
     group = _group(world, "cuda")
     try:
@@ -230,9 +240,10 @@ def test_gpu_lost_rank_times_out_with_its_name():
     context)."""
     code = textwrap.dedent("""
         import torch
+        from pyfused.fused.virtual_cases import cases
         from pyfused.fused.virtual_ranks import VirtualGroup
-        from pyfused.fused.virtual_cases import CASES
-        case = CASES["all_gather_matmul"]
+        from pyfused.ops.registry import OPS
+        case = cases(OPS.values())["all_gather_matmul"]
         group = VirtualGroup(2, "cuda")
         inputs = case.make(2, 64, 128, 128, torch.bfloat16, group.device, 0)
         group.run(case.fused, inputs, skip=1)

@@ -1,4 +1,4 @@
-"""The body of the three op suites (benchmarks/bench_<op>.py): one GEMM+collective op over shapes.
+"""The body of the GEMM op suites (benchmarks/bench_<op>.py): one GEMM+collective op over shapes.
 
 For each shape, in one run and on the same inputs:
   * the op's whole GEMM alone (``T_gemm``) and its collective alone (``T_comm``), as rows
@@ -27,7 +27,6 @@ from ..ops.registry import OPS
 from . import peers
 from .harness import BenchContext, op_row, tensor_bytes, time_interleaved
 
-COLLECTIVE = {name: spec.collective for name, spec in OPS.items() if spec.gemm}
 METHODS = ("unfused", "decomposed", "fused", "auto")
 
 # Agreement of a method's output with the unfused one, relative to max|unfused|. Loose: the
@@ -63,11 +62,11 @@ def agree_close(out: torch.Tensor, ref: torch.Tensor, what: str, ctx: BenchConte
 def comm_alone(op: str, ctx: BenchContext, a: torch.Tensor, m_full: int, n: int
                ) -> Callable[[], None]:
     """The op's collective on buffers of the sizes the op communicates."""
-    w, g = ctx.world, ctx.group
-    if COLLECTIVE[op] == "all_gather":
+    w, g, collective = ctx.world, ctx.group, OPS[op].collective
+    if collective == "all_gather":
         gathered = a.new_empty((w * a.shape[0], a.shape[1]))
         return lambda: comm.all_gather_single(gathered, a, group=g)
-    if COLLECTIVE[op] == "reduce_scatter":
+    if collective == "reduce_scatter":
         full = torch.randn((m_full, n), device=a.device).to(a.dtype)
         out = full.new_empty((m_full // w, n))
         return lambda: comm.reduce_scatter_single(out, full, group=g)
@@ -78,15 +77,16 @@ def comm_alone(op: str, ctx: BenchContext, a: torch.Tensor, m_full: int, n: int
 def bench_shape(ctx: BenchContext, shape) -> List[Dict]:
     """All rows of one ``pyfused.bench.shapes.OpShape``."""
     op, dtype, w = shape.op, ctx.dtype, ctx.world
-    fn = OPS[op].function
-    gathers = COLLECTIVE[op] == "all_gather"
+    spec = OPS[op]
+    fn = spec.function
+    gathers = spec.gathers_dim0
     gen = torch.Generator().manual_seed(1000 + ctx.rank)
     a = torch.randn(shape.a, generator=gen).to(ctx.device, dtype)
     b = (torch.randn(shape.b, generator=gen) * shape.b[0] ** -0.5).to(ctx.device, dtype)
     m_full = w * shape.a[0] if gathers else shape.a[0]
     k, n = shape.a[1], shape.b[1]
     flop = 2.0 * m_full * n * k
-    collective = COLLECTIVE[op]
+    collective = spec.collective
     # nccl-tests' S: the gathered input (all-gather) or the unreduced product (the other two)
     nbytes = tensor_bytes((m_full, k) if gathers else (m_full, n), dtype)
     label = f"{shape.label} a={shape.a[0]}x{shape.a[1]} b={shape.b[0]}x{shape.b[1]}"

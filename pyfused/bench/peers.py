@@ -14,6 +14,9 @@ for every shape, where torch symmetric memory runs, the op suites also time, on 
   * torch's own fused ops where torch has one (``torch fused_all_gather_matmul``,
     ``torch fused_matmul_reduce_scatter``: PyTorch async-TP), the peer to beat.
 
+Which parts an op has is up to the builder its registry entry names (``OpSpec.peers``: one of the
+``<op>_peers`` functions below); an op without one has no symmetric-memory rows.
+
 Every part's output is checked against the unfused method's before it is timed, and a part that
 fails on any rank is dropped on every rank (with its reason in an "unavailable" row), so the ranks
 stay in step. None of this runs off CUDA: there the rows are absent and the fused row says why it
@@ -28,17 +31,15 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..ops.registry import OPS
 from .harness import BenchContext
 
 TRANSPORT = "symm-mem"
 
-# (op, what) -> row label
+# row labels
 ALONE = "{collective} alone"
 UNFUSED = "unfused (torch symm-mem)"
-TORCH_FUSED = {
-    "all_gather_matmul": "torch fused_all_gather_matmul",
-    "matmul_reduce_scatter": "torch fused_matmul_reduce_scatter",
-}
+TORCH_FUSED = "torch {name}"
 
 
 @dataclass
@@ -88,59 +89,77 @@ def _symm_tensor(shape, dtype, device, group) -> torch.Tensor:
 def build(op: str, ctx: BenchContext, a: torch.Tensor, b: torch.Tensor, m_full: int,
           collective: str) -> SymmParts:
     """The symmetric-memory parts of ``op`` for inputs ``a``, ``b`` (collective: every rank calls it
-    with the same shapes). Call only where ``status(ctx)`` is None."""
-    sm = symm_ops()
-    gn = ctx.group.group_name
-    n = b.shape[1]
+    with the same shapes), by the builder its registry entry names (``OpSpec.peers``; none: no
+    parts). Call only where ``status(ctx)`` is None."""
     out = SymmParts()
-    alone = ALONE.format(collective=collective)
-    if op == "all_gather_matmul":
-        shard = _symm_tensor(tuple(a.shape), a.dtype, a.device, ctx.group)
-        shard.copy_(a)
-        out.parts[alone] = (lambda: sm._low_contention_all_gather(shard, gn),
-                            "torch symm_mem._low_contention_all_gather (copy engine)")
-        out.parts[UNFUSED] = (lambda: sm._low_contention_all_gather(shard, gn) @ b,
-                              "_low_contention_all_gather, then the GEMM")
-        out.outputs[UNFUSED] = out.parts[UNFUSED][0]
-        fused = (lambda: sm.fused_all_gather_matmul(a, [b], 0, gn, return_A=False)[1][0])
-    elif op == "matmul_reduce_scatter":
-        full = _symm_tensor((m_full, n), a.dtype, a.device, ctx.group)
-
-        def unfused():
-            torch.matmul(a, b, out=full)
-            return sm._low_contention_reduce_scatter(full, "sum", gn)
-
-        out.parts[alone] = (lambda: sm._low_contention_reduce_scatter(full, "sum", gn),
-                            "torch symm_mem._low_contention_reduce_scatter")
-        out.parts[UNFUSED] = (unfused, "the GEMM, then _low_contention_reduce_scatter")
-        out.outputs[UNFUSED] = unfused
-        fused = (lambda: sm.fused_matmul_reduce_scatter(a, b, "sum", 0, gn))
-    elif op == "matmul_all_reduce":
-        buf = _symm_tensor((m_full, n), a.dtype, a.device, ctx.group)
-
-        def one_shot():
-            torch.matmul(a, b, out=buf)
-            return sm.one_shot_all_reduce(buf, "sum", gn)
-
-        def two_shot():
-            torch.matmul(a, b, out=buf)
-            return sm.two_shot_all_reduce_(buf, "sum", gn)
-
-        out.parts[alone + " [one-shot]"] = (lambda: sm.one_shot_all_reduce(buf, "sum", gn),
-                                            "torch symm_mem.one_shot_all_reduce")
-        out.parts[alone + " [two-shot]"] = (lambda: sm.two_shot_all_reduce_(buf, "sum", gn),
-                                            "torch symm_mem.two_shot_all_reduce_ (in place)")
-        out.parts[UNFUSED + " [one-shot]"] = (one_shot, "the GEMM, then one_shot_all_reduce")
-        out.parts[UNFUSED + " [two-shot]"] = (two_shot, "the GEMM, then two_shot_all_reduce_")
-        out.outputs[UNFUSED + " [one-shot]"] = one_shot
-        out.outputs[UNFUSED + " [two-shot]"] = lambda: two_shot().clone()
-        fused = None
-    else:
-        raise ValueError(f"no symmetric-memory baselines for {op!r}")
-    if fused is not None:
-        out.parts[TORCH_FUSED[op]] = (fused, "PyTorch async-TP")
-        out.outputs[TORCH_FUSED[op]] = fused
+    builder = OPS[op].peers_function()
+    if builder is not None:
+        builder(out, symm_ops(), ctx, a, b, m_full, ALONE.format(collective=collective))
     return out
+
+
+def _torch_fused(out: SymmParts, name: str, fn: Callable[[], torch.Tensor]) -> None:
+    label = TORCH_FUSED.format(name=name)
+    out.parts[label] = (fn, "PyTorch async-TP")
+    out.outputs[label] = fn
+
+
+def all_gather_matmul_peers(out: SymmParts, sm, ctx: BenchContext, a, b, m_full: int,
+                            alone: str) -> None:
+    """The copy-engine all-gather alone, then with the GEMM; torch's fused_all_gather_matmul."""
+    gn = ctx.group.group_name
+    shard = _symm_tensor(tuple(a.shape), a.dtype, a.device, ctx.group)
+    shard.copy_(a)
+    out.parts[alone] = (lambda: sm._low_contention_all_gather(shard, gn),
+                        "torch symm_mem._low_contention_all_gather (copy engine)")
+    out.parts[UNFUSED] = (lambda: sm._low_contention_all_gather(shard, gn) @ b,
+                          "_low_contention_all_gather, then the GEMM")
+    out.outputs[UNFUSED] = out.parts[UNFUSED][0]
+    _torch_fused(out, "fused_all_gather_matmul",
+                 lambda: sm.fused_all_gather_matmul(a, [b], 0, gn, return_A=False)[1][0])
+
+
+def matmul_reduce_scatter_peers(out: SymmParts, sm, ctx: BenchContext, a, b, m_full: int,
+                                alone: str) -> None:
+    """The reduce-scatter alone, the GEMM then it; torch's fused_matmul_reduce_scatter."""
+    gn = ctx.group.group_name
+    full = _symm_tensor((m_full, b.shape[1]), a.dtype, a.device, ctx.group)
+
+    def unfused():
+        torch.matmul(a, b, out=full)
+        return sm._low_contention_reduce_scatter(full, "sum", gn)
+
+    out.parts[alone] = (lambda: sm._low_contention_reduce_scatter(full, "sum", gn),
+                        "torch symm_mem._low_contention_reduce_scatter")
+    out.parts[UNFUSED] = (unfused, "the GEMM, then _low_contention_reduce_scatter")
+    out.outputs[UNFUSED] = unfused
+    _torch_fused(out, "fused_matmul_reduce_scatter",
+                 lambda: sm.fused_matmul_reduce_scatter(a, b, "sum", 0, gn))
+
+
+def matmul_all_reduce_peers(out: SymmParts, sm, ctx: BenchContext, a, b, m_full: int,
+                            alone: str) -> None:
+    """torch's one-shot and two-shot all-reduce kernels alone and after the GEMM (torch has no
+    fused GEMM + all-reduce)."""
+    gn = ctx.group.group_name
+    buf = _symm_tensor((m_full, b.shape[1]), a.dtype, a.device, ctx.group)
+
+    def one_shot():
+        torch.matmul(a, b, out=buf)
+        return sm.one_shot_all_reduce(buf, "sum", gn)
+
+    def two_shot():
+        torch.matmul(a, b, out=buf)
+        return sm.two_shot_all_reduce_(buf, "sum", gn)
+
+    out.parts[alone + " [one-shot]"] = (lambda: sm.one_shot_all_reduce(buf, "sum", gn),
+                                        "torch symm_mem.one_shot_all_reduce")
+    out.parts[alone + " [two-shot]"] = (lambda: sm.two_shot_all_reduce_(buf, "sum", gn),
+                                        "torch symm_mem.two_shot_all_reduce_ (in place)")
+    out.parts[UNFUSED + " [one-shot]"] = (one_shot, "the GEMM, then one_shot_all_reduce")
+    out.parts[UNFUSED + " [two-shot]"] = (two_shot, "the GEMM, then two_shot_all_reduce_")
+    out.outputs[UNFUSED + " [one-shot]"] = one_shot
+    out.outputs[UNFUSED + " [two-shot]"] = lambda: two_shot().clone()
 
 
 def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) -> None:

@@ -10,7 +10,9 @@ The four GEMMs of a Llama-3 decoder layer that tensor parallelism (TP) shards, a
     llama3-8b:  H = 4096, F = 14336, 32 heads, 8 kv heads, head_dim 128
     llama3-70b: H = 8192, F = 28672, 64 heads, 8 kv heads, head_dim 128
 
-Which op runs which layer, for S tokens (dim 0, sequence-first) on W ranks; shapes are *per rank*:
+Which op runs which layer follows its registry entry (``OpSpec.gathers_dim0``: an op whose result
+gathers dim 0 runs the column-parallel layers, the others the row-parallel ones). For S tokens
+(dim 0, sequence-first) on W ranks; shapes are *per rank*:
 
     all_gather_matmul      column-parallel + sequence parallel:  a [S/W, in]   b [in, out/W]
     matmul_reduce_scatter  row-parallel + sequence parallel:     a [S, in/W]   b [in/W, out]
@@ -32,8 +34,8 @@ A ``--shapes`` spec is a comma-separated list of
     [S, in/N] x [in/N, out]. This is how Llama-3 70B TP=8 layers are measured with 2 or 4 ranks on
     one GPU (the communicated volume is then W's, not N's);
   * literal per-rank GEMMs ``MxKxN``: a [M, K], b [K, N] on every rank, for whichever op runs them
-    (for all_gather_matmul M is the rows of this rank's shard; for matmul_reduce_scatter M must be
-    divisible by W).
+    (for an op that gathers dim 0, such as all_gather_matmul, M is the rows of this rank's shard;
+    for one that scatters it, such as matmul_reduce_scatter, M must be divisible by W).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..ops.registry import GEMM_OPS as OPS  # the ops these GEMM shapes serve
+from ..ops.registry import GEMM_OPS as OPS, OPS as SPECS  # OPS: the ops these GEMM shapes serve
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,9 @@ class OpShape:
 
 
 def _op_takes(op: str, kind: str) -> bool:
-    return (kind == "column") == (op == "all_gather_matmul")
+    """An op that gathers dim 0 runs the column-parallel layers (sequence parallel: its input is
+    this rank's rows), the others the row-parallel ones."""
+    return (kind == "column") == SPECS[op].gathers_dim0
 
 
 def layer_shape(op: str, model_name: str, layer: str, world: int, scale: Scale,
@@ -123,7 +127,7 @@ def layer_shape(op: str, model_name: str, layer: str, world: int, scale: Scale,
     fin, fout = fin // scale.divisor, fout // scale.divisor
     shards = tp or world
     s = world * math.ceil(scale.tokens / world)
-    if op == "all_gather_matmul":
+    if SPECS[op].gathers_dim0:
         a, b = (s // world, fin), (fin, math.ceil(fout / shards))
     else:
         k = math.ceil(fin / shards)
@@ -158,9 +162,9 @@ def parse(spec: Optional[str], op: str, world: int, device_type: str, quick: boo
         lit = LITERAL.match(item)
         if lit:
             m, k, n = map(int, lit.groups())
-            if op == "matmul_reduce_scatter" and m % world:
+            if SPECS[op].scatters_dim0 and m % world:
                 raise ValueError(f"--shapes {item}: M={m} must be divisible by the world size {world} "
-                                 f"for matmul_reduce_scatter")
+                                 f"for {op}")
             out.append(OpShape(item, op, (m, k), (k, n)))
             continue
         item, _, tp_spec = item.partition("@")
@@ -205,9 +209,9 @@ def norm_sizes(device_type: str, quick: bool) -> List[int]:
 
 def norm_shapes(spec: Optional[str], device_type: str, quick: bool,
                 element_size: int) -> List[Tuple[int, int]]:
-    """(rows, hidden) of x for all_reduce_add_rmsnorm: the default message sizes at the device's
-    hidden size, or a ``--shapes`` spec of ``RxH`` literals and model names (S tokens x hidden of the
-    device's scale)."""
+    """(rows, hidden) of x for the ops without a GEMM (all_reduce_add_rmsnorm): the default message
+    sizes at the device's hidden size, or a ``--shapes`` spec of ``RxH`` literals and model names
+    (S tokens x hidden of the device's scale)."""
     if not spec:
         hidden = NORM_HIDDEN.get(device_type, NORM_HIDDEN["cuda"])
         return [(max(1, n // (hidden * element_size)), hidden) for n in norm_sizes(device_type, quick)]
@@ -220,7 +224,7 @@ def norm_shapes(spec: Optional[str], device_type: str, quick: bool,
             continue
         name = item.partition("@")[0].partition(".")[0]
         if name not in MODELS:
-            raise ValueError(f"--shapes {item!r}: all_reduce_add_rmsnorm takes RxH (rows x hidden) "
+            raise ValueError(f"--shapes {item!r}: an op without a GEMM takes RxH (rows x hidden) "
                              f"or a model name ({', '.join(sorted(MODELS))})")
         out.append((scale.tokens, MODELS[name].hidden // scale.divisor))
     return out

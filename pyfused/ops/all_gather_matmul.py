@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
-from . import _common, _fused
+from . import _common, _fused, _hooks
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "all_gather_matmul"
@@ -141,19 +141,104 @@ def _backward(ctx, grad_out, _grad_gathered):
 _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plan(group, method, a, b) -> _common.Plan:
+    return _common.plan_matmul(OP, a, b, group, method)
+
+
+def _local(group, method, a, b) -> Tensor:
+    return torch.matmul(a, b)  # one rank, no autograd graph: the product is the whole op
+
+
+def _direct(plan, group, method, a, b) -> Tensor:
+    if a.dim() == 2:
+        return _run(a, b, plan.pg, plan.method, False)[0]
+    out, _ = _run(a.reshape(-1, a.shape[-1]), b, plan.pg, plan.method, False)
+    return out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+
+
+def _registered(plan, group, method, a, b) -> Tensor:
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    keep = torch.is_grad_enabled() and b.requires_grad
+    out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
+                             plan.method, keep)
+    return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
-    if plan is None:
-        plan = _common.plan_matmul(OP, a, b, group, method)
-    if plan.local:  # one rank, no autograd graph: the product is the whole op
-        return a @ b
-    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if plan.direct:
-        out, _ = _run(a2, b, plan.pg, plan.method, False)
-    else:
-        keep = torch.is_grad_enabled() and b.requires_grad
-        out, _ = _common.call_op(plan, torch.ops.pyfused.all_gather_matmul, a2, b, plan.group_name,
-                                 plan.method, keep)
-    return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+    return _dispatch(group, method, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+
+def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (a [rows, ..., k], its shard; b [k, n], its own weight)."""
+    return _hooks.gemm_inputs(world, rows, n, k, dtype, device, seed, gathered=True)
+
+
+def reference_per_rank(inputs):
+    """Every rank's shard gathered, times that rank's own weight."""
+    shards = [a for a, _ in inputs]
+    return [all_gather_matmul_ref(shards, b) for _, b in inputs]
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    a, b = tensors
+    return (a, b, group_name, "decomposed", True)
+
+
+def plain_torch(tensors, pg):
+    """torch.distributed's all-gather (none on one rank), then the GEMM."""
+    a, b = tensors
+    world = comm.world_size(pg)
+
+    def all_gather_then_matmul():
+        if world == 1:
+            return a @ b
+        gathered = a.new_empty((world * a.shape[0], a.shape[1]))
+        comm.all_gather_single(gathered, a, group=pg)
+        return gathered @ b
+    return all_gather_then_matmul
+
+
+def virtual_cases():
+    """The forward; the forward keeping the gathered input (what autograd needs for b's gradient);
+    and the backward w.r.t. a, which is matmul_reduce_scatter's kernel on grad and b^T."""
+    reference = _hooks.in_fp64(reference_per_rank)
+    return {
+        OP: _hooks.case(make_inputs, fused_on_rank, unfused_all_visible, reference,
+                        _hooks.gemm_flop),
+        f"{OP}.keep_gathered": _hooks.case(make_inputs, _fused_keeping_gathered,
+                                           _unfused_keeping_gathered, _with_gathered(reference),
+                                           _hooks.gemm_flop),
+        f"{OP}.bwd": _hooks.backward_case(OPS["matmul_reduce_scatter"]),
+    }
+
+
+def fused_on_rank(pg, a, b, **kw) -> Tensor:
+    return OPS[OP].fused_function()(a, b, pg, False, **kw)[0]
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    return torch.cat([a for a, _ in inputs]) @ inputs[rank][1]
+
+
+def _fused_keeping_gathered(pg, a, b, **kw) -> Tuple[Tensor, Tensor]:
+    return OPS[OP].fused_function()(a, b, pg, True, **kw)
+
+
+def _unfused_keeping_gathered(inputs, rank: int) -> Tuple[Tensor, Tensor]:
+    gathered = torch.cat([a for a, _ in inputs])
+    return gathered @ inputs[rank][1], gathered
+
+
+def _with_gathered(reference):
+    def both(inputs):
+        gathered = torch.cat([a.double() for a, _ in inputs])
+        return [(out, gathered) for out in reference(inputs)]
+    return both

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
-from . import _common, _fused
+from . import _common, _fused, _hooks
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "all_reduce_add_rmsnorm"
@@ -245,7 +245,7 @@ def _auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
     return _common.auto_preference(OP, pg, tensors, fused_ok)
 
 
-def _plan(x, residual, weight, eps, group, method, chunks) -> _common.Plan:
+def _plan(group, method, chunks, eps, x, residual, weight) -> _common.Plan:
     """The plan of a call that the plan cache did not hold."""
     if torch.compiler.is_compiling():
         return _common.traced_plan(OP, group, method, chunks)
@@ -254,23 +254,101 @@ def _plan(x, residual, weight, eps, group, method, chunks) -> _common.Plan:
                             (group, method, chunks, eps, x, residual, weight))
 
 
+def _local(group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    return add_rmsnorm(x, residual, weight, float(eps))  # one rank, no autograd: x is the sum
+
+
+def _direct(plan, group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    if x.dim() == 2:
+        return _run(x, residual, weight, float(eps), plan.pg, plan.method, plan.chunks)
+    h = x.shape[-1]
+    normed, new_residual = _run(x.reshape(-1, h), residual.reshape(-1, h), weight, float(eps),
+                                plan.pg, plan.method, plan.chunks)
+    return normed.view(x.shape), new_residual.view(x.shape)
+
+
+def _registered(plan, group, method, chunks, eps, x, residual, weight) -> Tuple[Tensor, Tensor]:
+    flat = x.dim() == 2
+    h = x.shape[-1]
+    args = (x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))
+    normed, new_residual = _common.call_op(plan, torch.ops.pyfused.all_reduce_add_rmsnorm, *args,
+                                           weight, float(eps), plan.group_name, plan.method,
+                                           plan.chunks)
+    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, chunks, eps, x, residual, weight)
-    if plan is None:
-        plan = _plan(x, residual, weight, eps, group, method, chunks)
-    if plan.local:  # one rank, no autograd graph: x is already the sum
-        return add_rmsnorm(x, residual, weight, float(eps))
-    flat = x.dim() == 2
-    h = x.shape[-1]
-    args = ((x, residual) if flat else (x.reshape(-1, h), residual.reshape(-1, h))) + (weight,
-                                                                                       float(eps))
-    if plan.direct:
-        normed, new_residual = _run(*args, plan.pg, plan.method, plan.chunks)
-    else:
-        normed, new_residual = _common.call_op(plan, torch.ops.pyfused.all_reduce_add_rmsnorm, *args,
-                                               plan.group_name, plan.method, plan.chunks)
-    return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
+    return _dispatch(group, method, chunks, eps, x, residual, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+SAMPLE_EPS = 1e-6  # the eps of the hooks' calls: the op's default
+
+
+def make_inputs(world, rows, n, k=0, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (x [rows, ..., n], residual, weight [n]); the residual stream and the weight
+    are replicated, as in a tensor-parallel model. ``k`` is unused (no GEMM)."""
+    lead = _hooks.leading_dims(rows)
+    g = torch.Generator().manual_seed(seed)
+    residual = _hooks.randn(g, (*lead, n), dtype, device)
+    weight = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
+    return [(_hooks.randn(g, (*lead, n), dtype, device), residual, weight) for _ in range(world)]
+
+
+def reference_per_rank(inputs):
+    """(normed, new_residual) of the sum of every rank's x plus the residual, on every rank."""
+    ref = all_reduce_add_rmsnorm_ref([x for x, _, _ in inputs], inputs[0][1], inputs[0][2],
+                                     SAMPLE_EPS)
+    return [ref] * len(inputs)
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    x, residual, weight = tensors
+    return (x, residual, weight, SAMPLE_EPS, group_name, "decomposed", 2)
+
+
+def plain_torch(tensors, pg):
+    """torch.distributed's all_reduce (none on one rank), ``+`` and F.rms_norm."""
+    x, residual, weight = tensors
+    world = comm.world_size(pg)
+
+    def all_reduce_add_rms_norm():
+        h = x.clone()
+        if world > 1:
+            dist.all_reduce(h, group=pg)
+        h = h + residual
+        return F.rms_norm(h, (h.shape[-1],), weight, SAMPLE_EPS), h
+    return all_reduce_add_rms_norm
+
+
+def virtual_cases():
+    """The fused kernel with each all-reduce algorithm forced (one-shot, two-shot)."""
+    from ..fused.config import ONE_SHOT, TWO_SHOT
+
+    reference = _hooks.in_fp64(reference_per_rank)
+    return {f"{OP}.{name}": _hooks.case(make_inputs, _fused_with(algo), unfused_all_visible,
+                                        reference, lambda w, rows, n, k: 0.0)
+            for name, algo in (("one_shot", ONE_SHOT), ("two_shot", TWO_SHOT))}
+
+
+def _fused_with(algo: int):
+    def fused_on_rank(pg, x, residual, weight, **kw) -> Tensor:
+        return OPS[OP].fused_function()(x, residual, weight, SAMPLE_EPS, pg, algo=algo, **kw)[0]
+    return fused_on_rank
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    """The normed output of the sum of every rank's x (fp32 accumulation) plus the residual."""
+    h = inputs[0][1].float()
+    for x, _, _ in inputs:
+        h += x.float()
+    h = h.to(inputs[0][0].dtype)
+    return F.rms_norm(h, (h.shape[-1],), inputs[0][2], SAMPLE_EPS)

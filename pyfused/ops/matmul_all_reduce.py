@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
-from . import _common, _fused
+from . import _common, _fused, _hooks
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "matmul_all_reduce"
@@ -103,20 +103,83 @@ def _backward(ctx, grad_out):
 _matmul_all_reduce_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plan(group, method, chunks, a, b) -> _common.Plan:
+    return _common.plan_matmul(OP, a, b, group, method, chunks)
+
+
+def _local(group, method, chunks, a, b) -> Tensor:
+    return torch.matmul(a, b)  # one rank, no autograd graph: the product is the whole op
+
+
+def _direct(plan, group, method, chunks, a, b) -> Tensor:
+    if a.dim() == 2:
+        return _run(a, b, plan.pg, plan.method, plan.chunks)
+    out = _run(a.reshape(-1, a.shape[-1]), b, plan.pg, plan.method, plan.chunks)
+    return out.view(*a.shape[:-1], b.shape[1])
+
+
+def _registered(plan, group, method, chunks, a, b) -> Tensor:
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    out = _common.call_op(plan, torch.ops.pyfused.matmul_all_reduce, a2, b, plan.group_name,
+                          plan.method, plan.chunks)
+    return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, chunks, a, b)
-    if plan is None:
-        plan = _common.plan_matmul(OP, a, b, group, method, chunks)
-    if plan.local:  # one rank, no autograd graph: the product is the whole op
-        return a @ b
-    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if plan.direct:
-        out = _run(a2, b, plan.pg, plan.method, plan.chunks)
-    else:
-        out = _common.call_op(plan, torch.ops.pyfused.matmul_all_reduce, a2, b, plan.group_name,
-                              plan.method, plan.chunks)
-    return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])
+    return _dispatch(group, method, chunks, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+
+def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (a [rows * W, ..., k], b [k, n])."""
+    return _hooks.gemm_inputs(world, rows, n, k, dtype, device, seed, gathered=False)
+
+
+def reference_per_rank(inputs):
+    """The sum of every rank's a @ b, on every rank."""
+    total = matmul_all_reduce_ref([a for a, _ in inputs], [b for _, b in inputs])
+    return [total] * len(inputs)
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    a, b = tensors
+    return (a, b, group_name, "decomposed", 2)
+
+
+def plain_torch(tensors, pg):
+    """The GEMM, then torch.distributed's all_reduce (none on one rank)."""
+    a, b = tensors
+    world = comm.world_size(pg)
+
+    def matmul_then_all_reduce():
+        y = a @ b
+        if world > 1:
+            dist.all_reduce(y, group=pg)
+        return y
+    return matmul_then_all_reduce
+
+
+def virtual_cases():
+    return {OP: _hooks.case(make_inputs, fused_on_rank, unfused_all_visible,
+                            _hooks.in_fp64(reference_per_rank), _hooks.gemm_flop)}
+
+
+def fused_on_rank(pg, a, b, **kw) -> Tensor:
+    return OPS[OP].fused_function()(a, b, pg, **kw)
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    """The all-reduce as a sum of every rank's product (fp32 accumulation, the input dtype out)."""
+    out = (inputs[0][0] @ inputs[0][1]).float()
+    for a, b in inputs[1:]:
+        out += (a @ b).float()
+    return out.to(inputs[0][0].dtype)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import plans
-from . import _common, _fused
+from . import _common, _fused, _hooks
+from ._dispatch import dispatcher
 from .registry import OPS
 
 OP = "matmul_reduce_scatter"
@@ -122,18 +122,87 @@ def _backward(ctx, grad_out):
 _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plan(group, method, a, b) -> _common.Plan:
+    return _common.plan_matmul(OP, a, b, group, method)
+
+
+def _local(group, method, a, b) -> Tensor:
+    return torch.matmul(a, b)  # one rank, no autograd graph: the product is the whole op
+
+
+def _direct(plan, group, method, a, b) -> Tensor:
+    if a.dim() == 2:
+        return _run(a, b, plan.pg, plan.method)
+    out = _run(a.reshape(-1, a.shape[-1]), b, plan.pg, plan.method)
+    return out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+
+
+def _registered(plan, group, method, a, b) -> Tensor:
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
+                          plan.method)
+    return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+
+
+_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
+
+
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    tracing = torch.compiler.is_dynamo_compiling()  # Dynamo cannot trace the C++ lookup
-    plan = None if tracing else plans.lookup(_CODE, group, method, a, b)
-    if plan is None:
-        plan = _common.plan_matmul(OP, a, b, group, method)
-    if plan.local:  # one rank, no autograd graph: the product is the whole op
-        return a @ b
-    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
-    if plan.direct:
-        out = _run(a2, b, plan.pg, plan.method)
-    else:
-        out = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, a2, b, plan.group_name,
-                              plan.method)
-    return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+    return _dispatch(group, method, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+
+def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (a [rows * W, ..., k], b [k, n]); rank r's result is rows r*rows..(r+1)*rows."""
+    return _hooks.gemm_inputs(world, rows, n, k, dtype, device, seed, gathered=False)
+
+
+def reference_per_rank(inputs):
+    """Rank r's rows of the sum of every rank's a @ b, for each rank r."""
+    a_all, b_all = [a for a, _ in inputs], [b for _, b in inputs]
+    return [matmul_reduce_scatter_ref(a_all, b_all, r) for r in range(len(inputs))]
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    a, b = tensors
+    return (a, b, group_name, "decomposed")
+
+
+def plain_torch(tensors, pg):
+    """The GEMM, then torch.distributed's reduce-scatter (none on one rank)."""
+    a, b = tensors
+    world = comm.world_size(pg)
+
+    def matmul_then_reduce_scatter():
+        y = a @ b
+        if world == 1:
+            return y
+        out = y.new_empty((y.shape[0] // world, y.shape[1]))
+        comm.reduce_scatter_single(out, y, group=pg)
+        return out
+    return matmul_then_reduce_scatter
+
+
+def virtual_cases():
+    """The forward, and the backward w.r.t. a: all_gather_matmul's kernel on grad and b^T."""
+    forward = _hooks.case(make_inputs, fused_on_rank, unfused_all_visible,
+                          _hooks.in_fp64(reference_per_rank), _hooks.gemm_flop)
+    return {OP: forward, f"{OP}.bwd": _hooks.backward_case(OPS["all_gather_matmul"])}
+
+
+def fused_on_rank(pg, a, b, **kw) -> Tensor:
+    return OPS[OP].fused_function()(a, b, pg, **kw)
+
+
+def unfused_all_visible(inputs, rank: int) -> Tensor:
+    """Rank ``rank``'s rows of every rank's product, summed in fp32, in the input dtype."""
+    m = inputs[0][0].shape[0] // len(inputs)
+    parts = [a[rank * m:(rank + 1) * m] @ b for a, b in inputs]
+    out = parts[0].float()
+    for p in parts[1:]:
+        out += p.float()
+    return out.to(parts[0].dtype)

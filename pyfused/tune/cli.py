@@ -35,7 +35,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--methods", default=",".join(TUNABLE),
                    help="candidates (unfused is always measured)")
-    p.add_argument("--chunks", help="chunk counts for matmul_all_reduce and all_reduce_add_rmsnorm (default 2,4,8)")
+    p.add_argument("--chunks", help=f"chunk counts for {' and '.join(CHUNKED)} (default 2,4,8)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help="how much faster than unfused (a fraction) a method must measure to be "
                         "chosen (default: %(default)s)")

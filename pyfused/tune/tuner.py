@@ -23,10 +23,10 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS
+from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS, OpNames
 from . import Entry, key, store
 
-OPS = tuple(SPECS)
+OPS = OpNames(lambda spec: True)  # every registered op, read at each use
 # CHUNKED: the ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
 NORM_EPS = 1e-6
 TUNABLE = ("unfused", "decomposed", "fused")
@@ -114,8 +114,8 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
     ``(hidden,)``.
 
     ``methods``: a subset of unfused | decomposed | fused (unfused is always added: it is the
-    baseline). ``chunks``: chunk counts to try for the decomposed method of matmul_all_reduce and
-    all_reduce_add_rmsnorm (default 2, 4, 8, capped at the row count). ``timer({label: fn}, ctx)
+    baseline). ``chunks``: chunk counts to try for the decomposed method of the chunked ops
+    (``CHUNKED``; default 2, 4, 8, capped at the row count). ``timer({label: fn}, ctx)
     -> {label: ms}`` replaces the harness's ``time_interleaved`` (tests use it to script timings).
     Returns the agreed entry and the measurements."""
     from .. import comm
