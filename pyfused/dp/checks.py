@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..comm import InputError, Signature, TensorMeta
+from . import reduction
 
 OP = "DistributedDataParallel"
 COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -36,9 +37,16 @@ ERRORS = {
     4: "comm_dtype must be None, torch.float32, torch.bfloat16, torch.float16 or torch.float64",
     5: "bucket_cap_mb must be a positive number",
     6: "a parameter is sparse or not a dense tensor, which is not supported",
+    7: f"all_reduce must be one of {reduction.MODES}",
+    8: ("all_reduce='hierarchical' replaces the buckets' all-reduce, and shard_optimizer=True "
+        "reduce-scatters them instead; drop one of them"),
+    reduction.MESH_NOT_2D: (f"host_mesh must be a 2-D DeviceMesh with dims {reduction.MESH_DIMS} "
+                            f"(pyfused.comm.host_mesh() makes one)"),
+    reduction.MESH_OTHER_RANKS: "host_mesh's ranks are not the ranks of process_group",
 }
 OPTIONS = ("bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view",
-           "broadcast_buffers", "comm_dtype", "shard_optimizer")
+           "broadcast_buffers", "comm_dtype", "shard_optimizer", "all_reduce",
+           "host_mesh (hosts << 16 | ranks per host)")
 
 
 def _digest(text: str) -> int:
@@ -75,7 +83,11 @@ def local_error(pg, params: Sequence[torch.Tensor], options: Dict[str, object]) 
         return 5
     if any(p.layout != torch.strided for p in params):
         return 6
-    return 0
+    if options["all_reduce"] not in reduction.MODES:
+        return 7
+    if options["all_reduce"] == "hierarchical" and options["shard_optimizer"]:
+        return 8
+    return reduction.mesh_error(options["host_mesh"], pg)
 
 
 def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict[str, object]) -> None:
@@ -90,7 +102,9 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
     opt_values = (cap_bytes, int(bool(options["find_unused_parameters"])),
                   int(bool(options["gradient_as_bucket_view"])), int(bool(options["broadcast_buffers"])),
                   COMM_DTYPES.index(options["comm_dtype"]) if err != 4 else -1,
-                  int(bool(options["shard_optimizer"])))
+                  int(bool(options["shard_optimizer"])),
+                  reduction.MODES.index(options["all_reduce"]) if err != 7 else -1,
+                  reduction.mesh_code(options["host_mesh"]))
     first = params[0] if params else None
     sig = Signature(comm.op_code(OP), (err, len(entries), len(params), digest, *opt_values),
                     (TensorMeta.of(first),))
