@@ -90,12 +90,14 @@ def fused_across_hosts(rank: int, world: int) -> Dict:
 
 
 def host_all_reduce_equals_flat(rank: int, world: int, mesh=None) -> List[int]:
-    """HostAllReduce (one call, and four pipelined) == dist.all_reduce, bit for bit on integer
-    values (any summation order is exact), on lengths that need padding."""
+    """HostAllReduce == dist.all_reduce, bit for bit on integer values (any summation order is
+    exact), on lengths that need padding: whole, cut into pieces of 24 elements (chunk_bytes=100),
+    and four buffers pipelined."""
     from pyfused import comm
     from pyfused.comm.hierarchical import HostAllReduce, PipelinedHostAllReduce, padded_length
 
-    reduce = HostAllReduce(mesh if mesh is not None else comm.host_mesh())
+    mesh = mesh if mesh is not None else comm.host_mesh()
+    reduce, cut = HostAllReduce(mesh), HostAllReduce(mesh, chunk_bytes=100)
     lengths = [1, 97, 1025, 4099]
     bufs, expect = [], []
     for n in lengths:
@@ -106,13 +108,14 @@ def host_all_reduce_equals_flat(rank: int, world: int, mesh=None) -> List[int]:
         dist.all_reduce(flat)
         bufs.append(x)
         expect.append(flat)
-    assert torch.equal(reduce(bufs[0].clone()), expect[0])
+        assert torch.equal(reduce(x.clone()), flat), f"length {n}: whole buffer"
+        assert torch.equal(cut(x.clone()), flat), f"length {n}: in pieces of 24"
     pipe = PipelinedHostAllReduce(reduce)
     works = [pipe.start(b) for b in bufs]
-    assert [w.stage for w in works] == [min(len(bufs) - 1 - i, 3) for i in range(len(bufs))]
+    assert [w.works[-1].stage for w in works] == [min(len(bufs) - 1 - i, 3) for i in range(len(bufs))]
     pipe.finish()
     for n, got, want in zip(lengths, bufs, expect):
-        assert torch.equal(got, want), f"length {n}: host-aware all-reduce differs from flat"
+        assert torch.equal(got, want), f"length {n}: pipelined host-aware all-reduce differs"
     return [b.numel() for b in bufs]
 
 
