@@ -58,6 +58,8 @@ BRIDGE = "br0"
 RDZV_PORT = 29400
 MAX_HOSTS = 16
 STOP_GRACE_S = 5.0
+# Set in every host's environment to describe the links (benchmarks record it in their rows).
+LINK_ENV = "MULTIHOST_LINK"
 # Variables a bed's hosts must not inherit: torchrun sets its own, and a stale one (from a shell
 # or an outer launcher) would point a rank at the wrong rendezvous or host name.
 LAUNCH_ENV_DROP = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -336,6 +338,7 @@ class Testbed:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_DROP}
         env.setdefault("OMP_NUM_THREADS", "1")
         env["GLOO_SOCKET_IFNAME"] = LINK
+        env[LINK_ENV] = self.link_description()
         env.update(extra or {})
         return env
 
@@ -392,6 +395,15 @@ class Testbed:
 
     def restore_link(self, host: int) -> None:
         _ip("-n", self.namespace(host), "link", "set", LINK, "up")
+
+    def link_description(self) -> str:
+        """What the links are, for the rows of a benchmark: e.g. "tbf rate 1gbit"."""
+        if not self.shaping:
+            return "unshaped veth"
+        parts = [self.shaper or "?"]
+        parts += [f"rate {self.shaping.rate}"] if self.shaping.rate else []
+        parts += [f"delay {self.shaping.delay}"] if self.shaping.delay else []
+        return " ".join(parts)
 
     def qdiscs(self, host: int) -> str:
         """``tc qdisc show`` of host ``host``'s link (what shaping is in force)."""
