@@ -160,3 +160,18 @@ def ddp_error(rank: int, world: int, **kwargs) -> Dict[str, Optional[str]]:
     from pyfused.layers import DistributedDataParallel
 
     return H.error_text(DistributedDataParallel, H.build("mlp", 1), **kwargs)
+
+
+def bench_rows(rank: int, world: int) -> List[Dict]:
+    """The multihost suite's rows at its quick sizes, one timed iteration (its checks run; its
+    timings are a benchmark's, never asserted). Its plot goes to a temporary folder."""
+    import tempfile
+
+    from benchmarks import bench_multihost
+    from pyfused.bench.harness import BenchContext
+
+    with tempfile.TemporaryDirectory() as out:
+        ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                           warmup=0, iters=1, options={"out": out})
+        rows = bench_multihost.run(ctx)
+    return [{k: r.get(k) for k in ("shape", "method", "status", "speedup", "hosts")} for r in rows]

@@ -26,6 +26,7 @@ CHECKS = {
     "fused": C.fused_across_hosts,
     "allreduce": C.host_all_reduce_equals_flat,
     "ddp": C.ddp_matches,
+    "bench": C.bench_rows,
 }
 GROUP_TIMEOUT_S = 60
 ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",

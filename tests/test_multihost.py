@@ -158,3 +158,8 @@ def test_ddp_all_reduce_must_agree(ranks):
     err = ranks.run(2, _one_rank_asks_hierarchical, timeout=TIMEOUT)
     assert all(e == err[0] for e in err)
     assert "the option all_reduce differs between ranks" in err[0]["msg"], err[0]
+
+
+def test_bench_suite_on_one_host_is_a_skipped_row(ranks):
+    rows = ranks.run(2, C.bench_rows, timeout=TIMEOUT)
+    assert len(rows[0]) == 1 and rows[0][0]["status"].startswith("skipped: needs several hosts")
