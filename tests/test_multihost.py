@@ -157,7 +157,8 @@ def _one_rank_asks_hierarchical(rank, world):
 def test_ddp_all_reduce_must_agree(ranks):
     err = ranks.run(2, _one_rank_asks_hierarchical, timeout=TIMEOUT)
     assert all(e == err[0] for e in err)
-    assert "the option all_reduce differs between ranks" in err[0]["msg"], err[0]
+    assert ("the option all_reduce differs between ranks: rank 0 has 'auto', rank 1 has "
+            "'hierarchical'") in err[0]["msg"], err[0]
 
 
 def test_bench_suite_on_one_host_is_a_skipped_row(ranks):

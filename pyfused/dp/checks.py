@@ -90,6 +90,12 @@ def local_error(pg, params: Sequence[torch.Tensor], options: Dict[str, object]) 
     return reduction.mesh_error(options["host_mesh"], pg)
 
 
+def _show_option(name: str, code: int) -> str:
+    if name == "all_reduce" and 0 <= code < len(reduction.MODES):
+        return repr(reduction.MODES[code])
+    return str(code)
+
+
 def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict[str, object]) -> None:
     """Raise the same ``InputError`` on every rank unless all ranks wrap identical modules with
     identical options. ``entries``: (kind, name, tensor) for parameters then buffers."""
@@ -115,7 +121,8 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
                 where = f" on rank {r}" if len(sigs) > 1 else ""
                 return f"cannot wrap the module{where}: {ERRORS[s.ints[0]]}"
         for k, name in enumerate(OPTIONS):
-            msg = comm.differs(sigs, f"the option {name}", lambda s, k=k: s.ints[4 + k])
+            msg = comm.differs(sigs, f"the option {name}", lambda s, k=k: s.ints[4 + k],
+                               lambda s, k=k: _show_option(name, s.ints[4 + k]))
             if msg:
                 return msg
         return comm.differs(sigs, "the device of the parameters", lambda s: s.tensors[0].device)
