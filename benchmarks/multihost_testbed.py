@@ -32,15 +32,14 @@ By hand::
         -m pyfused.bench --suites multihost --out bench_out/multihost
     python -m benchmarks.multihost_testbed --clean      # remove beds left by crashed runs
 
-Needs root, Linux network namespaces and iproute2 (``ip``, ``tc``); ``unavailable_reason()`` says
-why a bed cannot be made here.
+Needs root, Linux network namespaces and iproute2 (``ip``, ``tc``); ``netns.unavailable_reason()``
+says why a bed cannot be made here. The namespace plumbing (probe, stopping processes, stale beds,
+shaping) is in benchmarks/netns.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,14 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-PREFIX = "pfmh-"
+from .netns import (  # noqa: F401  (the bed's interface: tests use these names from here)
+    LINK, PREFIX, STOP_GRACE_S, Shaping, TestbedError, TestbedTimeout, clean_stale, delete_namespaces,
+    ip, namespaces, run, stop_namespace_processes, unavailable_reason,
+)
+
 SUBNET = "10.77.0"
 PREFIX_LEN = 24
-LINK = "mhlink"
 BRIDGE = "br0"
 RDZV_PORT = 29400
 MAX_HOSTS = 16
-STOP_GRACE_S = 5.0
 # Set in every host's environment to describe the links (benchmarks record it in their rows).
 LINK_ENV = "MULTIHOST_LINK"
 # Variables a bed's hosts must not inherit: torchrun sets its own, and a stale one (from a shell
@@ -65,149 +66,6 @@ LINK_ENV = "MULTIHOST_LINK"
 LAUNCH_ENV_DROP = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                    "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE",
                    "TORCHELASTIC_RUN_ID", "PYFUSED_HOST", "GLOO_SOCKET_IFNAME")
-
-
-class TestbedError(RuntimeError):
-    """A command building or driving the bed failed; the message holds its output."""
-
-
-class TestbedTimeout(TestbedError):
-    """A launch did not finish in time; every process of the bed was stopped."""
-
-
-def _ip(*args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    return _run(["ip", *args], check=check, timeout=timeout)
-
-
-def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise TestbedError(f"`{' '.join(argv)}` exited {proc.returncode}: "
-                           f"{(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why a bed cannot be made on this machine, or None: checked by making (and deleting) one
-    namespace with a veth pair, which is what a bed needs."""
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed (.ci/run installs it with apt-get)"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    probe = f"{PREFIX}{os.getpid()}-probe{uuid.uuid4().hex[:6]}"
-    try:
-        _ip("netns", "add", probe)
-        _ip("link", "add", LINK, "netns", probe, "type", "veth", "peer", "name", "p0", "netns", probe)
-    except (TestbedError, OSError, subprocess.SubprocessError) as e:
-        return f"cannot create a network namespace with a veth pair here: {e}"
-    finally:
-        _ip("netns", "del", probe, check=False)
-    return None
-
-
-def namespaces() -> List[str]:
-    """The test bed namespaces on this machine (every bed, live or stale)."""
-    out = _ip("netns", "list", check=False).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(PREFIX)]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _stop_namespace_processes(ns: str, grace_s: float = STOP_GRACE_S) -> List[int]:
-    """End every process whose network namespace is ``ns``; returns the pids that were found."""
-    def pids() -> List[int]:
-        out = _ip("netns", "pids", ns, check=False).stdout
-        return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
-
-    found = pids()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not pids():
-            break
-    return found
-
-
-def _delete_namespaces(names: Sequence[str]) -> None:
-    for ns in names:
-        _stop_namespace_processes(ns)
-    # hosts first: deleting a host's namespace removes its veth pair, then the switch goes
-    for ns in sorted(names, key=lambda n: n.endswith("-sw")):
-        _ip("netns", "del", ns, check=False)
-
-
-def clean_stale() -> List[str]:
-    """Delete the namespaces of beds whose creating process is gone (a crashed or killed run),
-    ending the processes inside them first. Live beds of other processes are left alone."""
-    stale = []
-    for ns in namespaces():
-        m = re.match(rf"{re.escape(PREFIX)}(\d+)-", ns)
-        if m and not _pid_alive(int(m.group(1))):
-            stale.append(ns)
-    _delete_namespaces(stale)
-    return stale
-
-
-# tc's rate units, in bits per second (tc also takes bytes: "bps" = bytes per second).
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-
-
-def rate_bits(rate: str) -> float:
-    """A tc rate ("1gbit", "500mbit", "125mbps") in bits per second."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]+)\s*", rate.lower())
-    if not m or m.group(2) not in _RATE_UNITS:
-        raise ValueError(f"not a tc rate: {rate!r} (e.g. 1gbit, 500mbit, 10gbit)")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """How every inter-host link is shaped, in tc's units ("1gbit", "0.2ms").
-
-    ``tc netem`` where the kernel has it (rate and delay); otherwise a token bucket (``tbf``) for
-    the rate, and a delay cannot be emulated (``Testbed.up`` then refuses it: a bed that silently
-    dropped the delay would report figures for a link it did not build)."""
-
-    rate: Optional[str] = None
-    delay: Optional[str] = None
-
-    def __post_init__(self):
-        if self.rate:
-            rate_bits(self.rate)
-
-    def netem(self, outbound: bool) -> List[str]:
-        """netem arguments of one side of a host's link: outbound gets the delay (counted once
-        per direction), both get the rate."""
-        args = ["delay", self.delay] if outbound and self.delay else []
-        return args + (["rate", self.rate] if self.rate else [])
-
-    def tbf(self) -> List[str]:
-        """tbf arguments for the rate: a burst of 2 ms at line rate (at least 256 KiB, above the
-        largest GSO packet of a veth) and a queue of up to 50 ms."""
-        burst = max(256 * 1024, int(rate_bits(self.rate) / 8 * 2e-3))
-        return ["rate", self.rate, "burst", str(burst), "latency", "50ms"]
-
-    def __bool__(self) -> bool:
-        return bool(self.rate or self.delay)
 
 
 @dataclass
@@ -271,8 +129,8 @@ class Testbed:
         clean_stale()
         try:
             self._add_namespace(self.switch)
-            _ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
-            _ip("-n", self.switch, "link", "set", BRIDGE, "up")
+            ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+            ip("-n", self.switch, "link", "set", BRIDGE, "up")
             for i in range(self.hosts):
                 self._add_host(i)
         except BaseException:
@@ -281,18 +139,18 @@ class Testbed:
         return self
 
     def _add_namespace(self, ns: str) -> None:
-        _ip("netns", "add", ns)
+        ip("netns", "add", ns)
         self._created.append(ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", ns, "link", "set", "lo", "up")
 
     def _add_host(self, i: int) -> None:
         ns, port = self.namespace(i), f"p{i}"
         self._add_namespace(ns)
-        _ip("link", "add", LINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-        _ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
-        _ip("-n", self.switch, "link", "set", port, "up")
-        _ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", LINK)
-        _ip("-n", ns, "link", "set", LINK, "up")
+        ip("link", "add", LINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+        ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
+        ip("-n", self.switch, "link", "set", port, "up")
+        ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", LINK)
+        ip("-n", ns, "link", "set", LINK, "up")
         if self.shaping:
             self._shape(ns, LINK, outbound=True)
             if self.shaping.rate:
@@ -301,7 +159,7 @@ class Testbed:
     def _shape(self, ns: str, dev: str, outbound: bool) -> None:
         """netem on ``dev``'s egress; tbf where the kernel has no netem and no delay is asked."""
         if self.shaper in (None, "netem"):
-            proc = _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem",
+            proc = run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem",
                          *self.shaping.netem(outbound)], check=False)
             if proc.returncode == 0:
                 self.shaper = "netem"
@@ -314,11 +172,11 @@ class Testbed:
                     f"{self.shaping.delay} cannot be emulated; leave the delay out to shape the "
                     f"rate alone with tbf")
             self.shaper = "tbf"
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *self.shaping.tbf()])
+        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *self.shaping.tbf()])
 
     def down(self) -> None:
         """Stop every process of the bed and delete its namespaces (safe to call twice)."""
-        _delete_namespaces(self._created)
+        delete_namespaces(self._created)
         self._created = []
 
     def __enter__(self) -> "Testbed":
@@ -376,12 +234,12 @@ class Testbed:
         """End every process of every host (the bed itself stays up)."""
         for i in range(self.hosts):
             if self.namespace(i) in self._created:
-                _stop_namespace_processes(self.namespace(i))
+                stop_namespace_processes(self.namespace(i))
 
     # ------------------------------------------------------------------ failures of one host
     def kill_host(self, host: int) -> List[int]:
         """SIGKILL every process of host ``host`` at once (a host that lost power)."""
-        pids = _ip("netns", "pids", self.namespace(host), check=False).stdout.split()
+        pids = ip("netns", "pids", self.namespace(host), check=False).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -391,10 +249,10 @@ class Testbed:
 
     def cut_link(self, host: int) -> None:
         """Take host ``host``'s link down: its processes live on, unreachable."""
-        _ip("-n", self.namespace(host), "link", "set", LINK, "down")
+        ip("-n", self.namespace(host), "link", "set", LINK, "down")
 
     def restore_link(self, host: int) -> None:
-        _ip("-n", self.namespace(host), "link", "set", LINK, "up")
+        ip("-n", self.namespace(host), "link", "set", LINK, "up")
 
     def link_description(self) -> str:
         """What the links are, for the rows of a benchmark: e.g. "tbf rate 1gbit"."""
@@ -407,7 +265,7 @@ class Testbed:
 
     def qdiscs(self, host: int) -> str:
         """``tc qdisc show`` of host ``host``'s link (what shaping is in force)."""
-        return _run(["tc", "-n", self.namespace(host), "qdisc", "show", "dev", LINK]).stdout
+        return run(["tc", "-n", self.namespace(host), "qdisc", "show", "dev", LINK]).stdout
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -73,7 +73,7 @@ def test_a_stuck_launch_is_stopped(bed2, tmp_path):
     with pytest.raises(mt.TestbedTimeout, match=r"host\(s\) \[0, 1\] did not finish"):
         launch.wait(timeout=15)
     for i in range(bed2.hosts):
-        assert mt._ip("netns", "pids", bed2.namespace(i)).stdout.split() == []
+        assert mt.ip("netns", "pids", bed2.namespace(i)).stdout.split() == []
 
 
 def test_stale_beds_are_removed_and_live_ones_kept(bed2):
@@ -81,10 +81,10 @@ def test_stale_beds_are_removed_and_live_ones_kept(bed2):
     child.wait()
     dead = child.pid
     stale = f"{mt.PREFIX}{dead}-000000-h0"
-    mt._ip("netns", "add", stale)
+    mt.ip("netns", "add", stale)
     try:
         removed = mt.clean_stale()
     finally:
-        mt._ip("netns", "del", stale, check=False)
+        mt.ip("netns", "del", stale, check=False)
     assert removed == [stale]
     assert {bed2.namespace(0), bed2.namespace(1), bed2.switch} <= set(mt.namespaces())
