@@ -9,6 +9,9 @@ from .group import (
     LOCAL, GroupError, comm_device, global_rank, group_from_name, group_name, rank, resolve_group,
     world_size,
 )
+from .topology import (
+    HostLayout, TopologyError, forget_layouts, host_layout, host_mesh, local_host,
+)
 from .symmetric import SymmetricBuffer, SymmetricUnavailable, symmetric_status
 from .streams import comm_stream, join_comm_stream, keep_alive, on_comm_stream
 from .validate import (
@@ -21,6 +24,7 @@ __all__ = [
     "LocalWorkError", "PeerFailure", "agree_on_local_work", "failures_named", "group_timeout",
     "inherit_default_timeout", "names_failures",
     "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
+    "HostLayout", "TopologyError", "forget_layouts", "host_layout", "host_mesh", "local_host",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",

@@ -43,7 +43,6 @@ On CPU, ``symmetric_status`` reports the buffers unavailable with the reason, an
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -56,6 +55,7 @@ from .group import group_name as _group_name
 from .group import rank as _rank
 from .group import resolve_group
 from .group import world_size as _world_size
+from .topology import local_host
 from .symmetric_backends import (  # noqa: F401  (re-exported: the public names live here)
     BACKENDS, Backend, CudaIpcBackend, HostSharedMemoryBackend, LocalBackend, Mapping,
     SymmetricUnavailable, TorchSymmetricMemoryBackend,
@@ -265,7 +265,7 @@ class SymmetricBuffer:
             local, handle, state = backend.allocate(total, device)
         except Exception as e:  # every rank learns of it through the records below
             error = f"{type(e).__name__}: {e}"
-        mine = Record(total, backend.name, device.type, device.index or 0, socket.gethostname(),
+        mine = Record(total, backend.name, device.type, device.index or 0, local_host(),
                       handle, error)
         records = gather_records(pg, mine, gather)
         msg = check_records(records)

@@ -8,7 +8,9 @@ capped at ``first_cap_bytes`` (1 MiB) so that the first reduction starts early i
 
 Padding: with a sharded optimizer a bucket is reduce-scattered into ``world`` equal shards, so its
 length is rounded up to ``world * shard`` where ``shard = ceil(numel / world)`` rounded up to a
-16-byte multiple (every shard starts aligned). The pad is zero in every buffer and stays zero
+16-byte multiple (every shard starts aligned). With the host-aware all-reduce
+(pyfused/dp/reduction.py) a bucket is split into one piece per rank of a host, so its length is
+rounded up to a multiple of the ranks per host. The pad is zero in every buffer and stays zero
 through the reductions (a sum of zeros), so it never reaches a parameter or a norm.
 """
 from __future__ import annotations
@@ -80,7 +82,8 @@ def assign(params: Sequence[Tuple[int, torch.Tensor]], cap_bytes: int,
 
 
 def build(params: Sequence[torch.Tensor], indices: List[List[int]], world: int,
-          sharded: bool) -> List[Bucket]:
+          sharded: bool, multiple: int = 1) -> List[Bucket]:
+    """Buckets of ``indices``' parameters; unsharded buffers padded to a multiple of ``multiple``."""
     buckets = []
     for b, members in enumerate(indices):
         slots, off = [], 0
@@ -95,6 +98,7 @@ def build(params: Sequence[torch.Tensor], indices: List[List[int]], world: int,
             shard = -(-shard // align) * align
             padded = shard * world
         else:
-            padded, shard = off, off
+            padded = -(-off // multiple) * multiple
+            shard = padded
         buckets.append(Bucket(b, dtype, slots, off, padded, shard))
     return buckets

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..comm import InputError, Signature, TensorMeta
+from . import reduction
 
 OP = "DistributedDataParallel"
 COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -36,9 +37,16 @@ ERRORS = {
     4: "comm_dtype must be None, torch.float32, torch.bfloat16, torch.float16 or torch.float64",
     5: "bucket_cap_mb must be a positive number",
     6: "a parameter is sparse or not a dense tensor, which is not supported",
+    7: f"all_reduce must be one of {reduction.MODES}",
+    8: ("all_reduce='hierarchical' replaces the buckets' all-reduce, and shard_optimizer=True "
+        "reduce-scatters them instead; drop one of them"),
+    reduction.MESH_NOT_2D: (f"host_mesh must be a 2-D DeviceMesh with dims {reduction.MESH_DIMS} "
+                            f"(pyfused.comm.host_mesh() makes one)"),
+    reduction.MESH_OTHER_RANKS: "host_mesh's ranks are not the ranks of process_group",
 }
 OPTIONS = ("bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view",
-           "broadcast_buffers", "comm_dtype", "shard_optimizer")
+           "broadcast_buffers", "comm_dtype", "shard_optimizer", "all_reduce",
+           "host_mesh (hosts << 16 | ranks per host)")
 
 
 def _digest(text: str) -> int:
@@ -75,7 +83,17 @@ def local_error(pg, params: Sequence[torch.Tensor], options: Dict[str, object]) 
         return 5
     if any(p.layout != torch.strided for p in params):
         return 6
-    return 0
+    if options["all_reduce"] not in reduction.MODES:
+        return 7
+    if options["all_reduce"] == "hierarchical" and options["shard_optimizer"]:
+        return 8
+    return reduction.mesh_error(options["host_mesh"], pg)
+
+
+def _show_option(name: str, code: int) -> str:
+    if name == "all_reduce" and 0 <= code < len(reduction.MODES):
+        return repr(reduction.MODES[code])
+    return str(code)
 
 
 def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict[str, object]) -> None:
@@ -90,7 +108,9 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
     opt_values = (cap_bytes, int(bool(options["find_unused_parameters"])),
                   int(bool(options["gradient_as_bucket_view"])), int(bool(options["broadcast_buffers"])),
                   COMM_DTYPES.index(options["comm_dtype"]) if err != 4 else -1,
-                  int(bool(options["shard_optimizer"])))
+                  int(bool(options["shard_optimizer"])),
+                  reduction.MODES.index(options["all_reduce"]) if err != 7 else -1,
+                  reduction.mesh_code(options["host_mesh"]))
     first = params[0] if params else None
     sig = Signature(comm.op_code(OP), (err, len(entries), len(params), digest, *opt_values),
                     (TensorMeta.of(first),))
@@ -101,7 +121,8 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
                 where = f" on rank {r}" if len(sigs) > 1 else ""
                 return f"cannot wrap the module{where}: {ERRORS[s.ints[0]]}"
         for k, name in enumerate(OPTIONS):
-            msg = comm.differs(sigs, f"the option {name}", lambda s, k=k: s.ints[4 + k])
+            msg = comm.differs(sigs, f"the option {name}", lambda s, k=k: s.ints[4 + k],
+                               lambda s, k=k: _show_option(name, s.ints[4 + k]))
             if msg:
                 return msg
         return comm.differs(sigs, "the device of the parameters", lambda s: s.tensors[0].device)

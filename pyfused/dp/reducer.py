@@ -13,7 +13,10 @@ Design (after torch DDP's C++ reducer; see docs/DDP.md):
   launch on CUDA; on CPU each gradient was already multiplied into its slot by its own hook), then
   start an asynchronous all-reduce -- or, with a sharded optimizer, a reduce-scatter into this
   rank's shard; the full gradients are released once copied. Backward continues while the
-  collective runs.
+  collective runs. With the host-aware all-reduce (pyfused/dp/reduction.py) a bucket's reduction
+  is three collectives (inside the host, across hosts, inside the host); each bucket launch first
+  moves the earlier buckets' reductions one collective on (``PipelinedHostAllReduce``), so every
+  group sees the same order on every rank, and the end of backward completes them in order.
 * ``_finalize`` (end of backward): launches whatever is left in order (gradients that never arrived
   count as zeros, so the ranks' collectives still match), waits for the outstanding collectives and
   writes the averages back into ``.grad`` (or hands shards to the sharded optimizer). A small status
@@ -52,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 from .. import comm
 from .._logging import logger
 from ..comm import InputError
+from ..comm.hierarchical import HostAllReduce, PipelinedHostAllReduce
 from . import bucket_copy
 from . import buckets as _buckets
 from .buckets import Bucket
@@ -64,7 +68,8 @@ FINALIZE = "DistributedDataParallel backward (gradient bucket reduction)"
 class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  buckets: List[Bucket], pg, device: torch.device, *, comm_dtype: Optional[torch.dtype],
-                 find_unused: bool, as_view: bool, sharded: bool):
+                 find_unused: bool, as_view: bool, sharded: bool,
+                 host_reduce: Optional[HostAllReduce] = None):
         self.params = list(params)
         self.names = list(names)
         self.buckets = buckets
@@ -77,6 +82,10 @@ class Reducer:
         self.as_view = as_view and not sharded
         self.sharded = sharded
         self.scale = 1.0 / self.world
+        # the host-aware all-reduce of unsharded buckets; None: one all-reduce over pg per bucket
+        self.host_reduce = (PipelinedHostAllReduce(host_reduce)
+                            if host_reduce is not None and not sharded and pg is not None else None)
+        self.pad_multiple = host_reduce.ranks_per_host if self.host_reduce is not None else 1
         n = len(self.params)
         self._index_slots()
         self.on_shard_reduced: Optional[Callable[[Bucket, set], None]] = None  # set by ShardedState
@@ -135,6 +144,8 @@ class Reducer:
                                        else torch.zeros(b.padded, dtype=cdt, device=dev))
             else:
                 b.extra["comm_buf"] = torch.zeros(b.padded, dtype=cdt, device=dev)
+            if self.host_reduce is not None:
+                b.extra["piece"] = torch.empty(b.padded // self.pad_multiple, dtype=cdt, device=dev)
             if self._use_kernel:
                 b.extra["plan"] = bucket_copy.CopyPlan([s.numel for s in b.slots], dev,
                                                        max(b.dtype.itemsize, cdt.itemsize),
@@ -147,6 +158,8 @@ class Reducer:
         self.dups: List[int] = []
         self.next_bucket = 0
         self.missing: List[int] = []
+        if self.host_reduce is not None:
+            self.host_reduce.outstanding = []  # a backward that raised may have left some
         self.callback_queued = False
         self.unused_marked = False
         self.unreached: List[int] = []
@@ -321,9 +334,13 @@ class Reducer:
                     b.extra["shard_out"].copy_(buf)
             else:
                 with comm.failures_named(FINALIZE, self.pg, ("bucket", b.index)):
-                    b.work = (comm.reduce_scatter_single(b.extra["shard_out"], buf, group=self.pg,
-                                                         async_op=True) if self.sharded
-                              else dist.all_reduce(buf, group=self.pg, async_op=True))
+                    if self.sharded:
+                        b.work = comm.reduce_scatter_single(b.extra["shard_out"], buf,
+                                                            group=self.pg, async_op=True)
+                    elif self.host_reduce is not None:
+                        b.work = self.host_reduce.start(buf, b.extra["piece"])
+                    else:
+                        b.work = dist.all_reduce(buf, group=self.pg, async_op=True)
         b.launched = True
         if self.sharded:
             self._reap()
@@ -431,7 +448,8 @@ class Reducer:
             return
         old_views = {s.param: b.extra["views"][k] for b in self.buckets if "views" in b.extra
                      for k, s in enumerate(b.slots)}
-        self.buckets = _buckets.build(self.params, indices, self.world, self.sharded)
+        self.buckets = _buckets.build(self.params, indices, self.world, self.sharded,
+                                      self.pad_multiple)
         self._index_slots()
         self._allocate()
         if self.as_view:  # .grad stays a view of the (new) bucket, holding the same values

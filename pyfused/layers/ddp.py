@@ -2,7 +2,8 @@
 
     ddp = DistributedDataParallel(model, process_group=None, bucket_cap_mb=25,
                                   find_unused_parameters=False, gradient_as_bucket_view=False,
-                                  broadcast_buffers=True, comm_dtype=None, shard_optimizer=False)
+                                  broadcast_buffers=True, comm_dtype=None, shard_optimizer=False,
+                                  all_reduce="auto", host_mesh=None)
 
 Semantics follow ``torch.nn.parallel.DistributedDataParallel`` (a one-line switch):
 * construction checks that every rank wraps an identical module with identical options (a clear
@@ -13,7 +14,11 @@ Semantics follow ``torch.nn.parallel.DistributedDataParallel`` (a one-line switc
 * backward averages gradients over the group, bucket by bucket, overlapped with the rest of backward
   (pyfused/dp/reducer.py); ``no_sync()`` accumulates locally instead;
 * ``comm_dtype=torch.bfloat16`` reduces in bf16 and writes the result back into the fp32 gradients;
-* ``shard_optimizer=True`` + ``opt = ddp.wrap_optimizer(opt)``: ZeRO-1/2 (pyfused/dp/sharded.py).
+* ``shard_optimizer=True`` + ``opt = ddp.wrap_optimizer(opt)``: ZeRO-1/2 (pyfused/dp/sharded.py);
+* ``all_reduce="hierarchical"`` reduces each bucket inside each host, then across hosts, then
+  inside again; ``"auto"`` does so exactly where the group spans hosts with several ranks on each
+  (pyfused/dp/reduction.py states the rule; ``ddp.all_reduce`` says what was chosen and why).
+  ``host_mesh=`` names the hosts as a ("host", "local") DeviceMesh where the group is a subgroup.
 
 Buckets follow reverse registration order at first and are rebuilt once from the gradient order the
 first synchronising backward observed (torch DDP's rule; not with find_unused_parameters or a
@@ -31,6 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..dp import buckets as _buckets
+from ..dp import reduction
 from ..dp.checks import agree_module, broadcast_coalesced
 from ..dp.reducer import Reducer
 from ..dp.sharded import ShardedState
@@ -40,7 +46,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group=None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  broadcast_buffers: bool = True, comm_dtype: Optional[torch.dtype] = None, *,
-                 shard_optimizer: bool = False):
+                 shard_optimizer: bool = False, all_reduce: str = "auto", host_mesh=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"pyfused.DistributedDataParallel wraps an nn.Module, "
@@ -65,8 +71,9 @@ class DistributedDataParallel(nn.Module):
         options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                        gradient_as_bucket_view=gradient_as_bucket_view,
                        broadcast_buffers=broadcast_buffers, comm_dtype=comm_dtype,
-                       shard_optimizer=shard_optimizer)
+                       shard_optimizer=shard_optimizer, all_reduce=all_reduce, host_mesh=host_mesh)
         agree_module(pg, entries, options)
+        self.all_reduce = reduction.choose(pg, all_reduce, host_mesh, shard_optimizer)
 
         cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self._buffers_to_sync = [b for _, b in module.named_buffers()]
@@ -79,11 +86,13 @@ class DistributedDataParallel(nn.Module):
         first_cap = min(cap_bytes, _buckets.FIRST_BUCKET_BYTES)
         indices = _buckets.assign(list(enumerate(params)), cap_bytes, first_cap)
         world = comm.world_size(pg)
-        self._bucket_list = _buckets.build(params, indices, world, shard_optimizer)
+        self._bucket_list = _buckets.build(params, indices, world, shard_optimizer,
+                                           self.all_reduce.ranks_per_host)
         self._param_names = [n for n, _ in trainable]
         self.reducer = Reducer(params, self._param_names, self._bucket_list, pg, self.device,
                                comm_dtype=comm_dtype, find_unused=find_unused_parameters,
-                               as_view=gradient_as_bucket_view, sharded=shard_optimizer)
+                               as_view=gradient_as_bucket_view, sharded=shard_optimizer,
+                               host_reduce=self.all_reduce.reduce)
         self.reducer.enable_rebuild(cap_bytes, first_cap)
         self._sharded: Optional[ShardedState] = None
         if shard_optimizer:

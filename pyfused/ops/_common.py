@@ -14,7 +14,8 @@ before any collective of its own:
      (``pyfused.comm.agree``),
   4. check all ranks' signatures with one pure function -> one identical ``InputError`` everywhere,
   5. pick the concrete method from the *gathered* signatures (rank 0's auto preference; fused only if
-     every rank can run it), so every rank runs the same schedule, and remember it.
+     every rank can run it and the group's ranks share one host), so every rank runs the same
+     schedule, and remember it.
 """
 from __future__ import annotations
 
@@ -241,6 +242,8 @@ def _prepare_uncached(name, names, tensors, pg, xpg, in_group, method, check, ch
 def _choose(name, pg, device, method, sigs: List[CallSignature], pref: Choice, fused_why: str
             ) -> Choice:
     fused_everywhere = all(s.fused_ok for s in sigs)
+    if method == "fused":
+        _refuse_across_hosts(name, pg)
     if method == "fused" and not fused_everywhere:
         missing = [r for r, s in enumerate(sigs) if not s.fused_ok]
         raise MethodUnavailable(f"pyfused.{name}: method='fused' is not available here because "
@@ -252,7 +255,12 @@ def _choose(name, pg, device, method, sigs: List[CallSignature], pref: Choice, f
         return Choice(method, 0, "requested")
     chosen, chunks = METHODS[sigs[0].auto_method], sigs[0].auto_chunks
     reason = pref.reason if comm.rank(pg) == 0 else "rank 0's choice"
-    if chosen == "fused" and not fused_everywhere:
+    one_host, why = _fused_one_host(pg) if chosen == "fused" else (True, "")
+    if not one_host:
+        chosen, reason = "decomposed", f"fused is not available: {why}"
+        logger.warning("pyfused.%s: method=auto would choose fused, but %s; using decomposed",
+                       name, why)
+    elif chosen == "fused" and not fused_everywhere:
         chosen, reason = "decomposed", f"fused is not available on every rank ({fused_why})"
     elif chosen == "fused":
         ok, why = confirm_fused(name, pg, device, method)
@@ -261,6 +269,20 @@ def _choose(name, pg, device, method, sigs: List[CallSignature], pref: Choice, f
     logger.debug("pyfused.%s: method=auto chose %s (%s) for %s world=%d", name, chosen, reason,
                  [tuple(s.shape) for s in sigs[0].tensors], len(sigs))
     return Choice(chosen, chunks, reason)
+
+
+def _fused_one_host(pg) -> Tuple[bool, str]:
+    from . import _fused
+
+    return _fused.host_span(pg)
+
+
+def _refuse_across_hosts(name: str, pg) -> None:
+    """``method="fused"`` on a group that spans hosts: the same ``MethodUnavailable`` on every rank,
+    naming the hosts (decided from the gathered host layout, before any local reason)."""
+    ok, why = _fused_one_host(pg)
+    if not ok:
+        raise MethodUnavailable(f"pyfused.{name}: method='fused' is not available here because {why}")
 
 
 def auto_preference(op: str, pg, tensors: Sequence[torch.Tensor], fused_ok: bool) -> Choice:

@@ -7,11 +7,15 @@ Triton compiles for it (not the interpreter), and a symmetric-memory backend ser
 ``status(op, dtype)`` is that probe plus "this op has a fused kernel for this dtype"; it needs no
 collective and is what every rank puts into the validation exchange (``_common.prepare``).
 
-Whether the *group* can map its buffers (same host, peer access, the rendezvous working, at most
-MAX_WORLD ranks) is a collective question: ``ensure_group`` answers it once per (group, device), on
-every rank at the same point (after the ranks agreed to run fused), by setting up the smallest
-symmetric buffer; the answer is the same on every rank (pyfused/comm/symmetric.py agrees on every
-failure), and it is cached, so a group that failed reports the same reason on later calls.
+Whether the *group* can map its buffers is a collective question, answered on every rank at the
+same point (after the ranks agreed on the method), the same way everywhere, and cached per group:
+  * ``host_span`` first: a group whose ranks are on several hosts (pyfused.comm.host_layout: one
+    gather of host names the first time) cannot share memory, whatever its devices; the reason
+    names the hosts. It comes before the local probe's reason, so a group that spans hosts is
+    refused for that on every machine, GPU or not;
+  * ``ensure_group`` then sets up the smallest symmetric buffer (peer access, the rendezvous
+    working, at most MAX_WORLD ranks; pyfused/comm/symmetric.py agrees on every failure), once
+    per (group, device), so a group that failed reports the same reason on later calls.
 """
 from __future__ import annotations
 
@@ -113,6 +117,18 @@ def ensure_group(pg, device, backend: Optional[str] = None) -> Tuple[bool, str]:
         except SymmetricUnavailable as e:
             _groups[key] = (False, f"this group cannot map symmetric buffers: {e}")
     return _groups[key]
+
+
+def host_span(pg) -> Tuple[bool, str]:
+    """Collective over ``pg`` the first time (every rank of it, at the same point): (True, "") if
+    its ranks share one host, else (False, why) naming the hosts; the same on every rank."""
+    from ..comm import host_layout
+
+    layout = host_layout(pg)
+    if not layout.spans_hosts:
+        return True, ""
+    return False, (f"the group spans {layout.describe()}; symmetric memory maps memory within one "
+                   f"host only")
 
 
 def run(op: str, *args, **kwargs):

@@ -1,0 +1,90 @@
+"""Real hosts: network namespaces on one bridge, torchrun with the c10d rendezvous on each
+(benchmarks/multihost_testbed.py, tests/multihost.py). Skipped, with the reason, where namespaces
+cannot be made (no root, no iproute2).
+
+Each torchrun launch costs 20-40 s on the 2-core box (an agent and two ranks per host importing
+torch), so one launch per bed runs every check in turn (tests/multihost_worker.py): the topology
+from torchrun's environment, the fused method refused across hosts, the host-aware all-reduce
+against the flat one, and DistributedDataParallel's ``auto`` choosing it and matching torch DDP and
+one process, and the multihost bench suite at its quick sizes (its timings are not asserted).
+The two-host bed's links are shaped (10 Gbit/s), so the launch crosses the qdisc.
+"""
+import socket
+import subprocess
+
+import pytest
+
+from benchmarks import multihost_testbed as mt
+from tests import multihost as M
+
+pytestmark = pytest.mark.slow
+CHECKS = ["layout", "fused", "allreduce", "ddp", "bench"]
+
+
+@pytest.fixture(scope="module")
+def bed2(tmp_path_factory):
+    with M.testbed(2, mt.Shaping(rate="10gbit"), tmp_path_factory.mktemp("bed2")) as bed:
+        yield bed
+
+
+def _hosts(n):
+    name = socket.gethostname()
+    return [f"{name}/node{i}" for i in range(n)]
+
+
+def test_two_hosts_under_torchrun(bed2, tmp_path):
+    out = M.run_checks(bed2, CHECKS, tmp_path)
+    assert len(out) == 4
+    a, b = _hosts(2)
+    assert [o["host"] for o in out] == [a, a, b, b]
+    assert [o["env"]["GROUP_RANK"] for o in out] == ["0", "0", "1", "1"]
+    assert {o["env"]["MASTER_ADDR"] for o in out} == {mt.Testbed.address(0)}
+    layout = f"2 hosts: '{a}' (ranks 0, 1), '{b}' (ranks 2, 3)"
+    for o in out:
+        assert o["layout"]["describe"] == layout and o["layout"]["mesh"] == [2, 2]
+        assert o["fused"]["refused"].endswith(f"because the group spans {layout}; symmetric "
+                                              f"memory maps memory within one host only")
+        assert o["fused"]["auto"] == "decomposed" and layout in o["fused"]["auto_reason"]
+        assert o["ddp"]["method"] == "hierarchical" and layout in o["ddp"]["reason"]
+    assert [o["layout"]["local"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    bench = out[0]["bench"]  # the suite runs and checks its results; its timings are not asserted
+    assert [(r["shape"], r["method"], r["status"]) for r in bench] == [
+        (f"{s} MiB", m, "ok") for s in (1, 4) for m in ("flat", "hierarchical")]
+
+
+def test_links_are_shaped(bed2):
+    for i in range(bed2.hosts):
+        shown = bed2.qdiscs(i)
+        assert bed2.shaper in shown and "10Gbit" in shown, shown
+
+
+def test_three_hosts_under_torchrun(tmp_path):
+    with M.testbed(3, log_dir=tmp_path) as bed:
+        out = M.run_checks(bed, ["layout", "ddp"], tmp_path / "out")
+    hosts = _hosts(3)
+    assert [o["host"] for o in out] == [h for h in hosts for _ in range(2)]
+    assert all(o["layout"]["mesh"] == [3, 2] for o in out)
+    assert all(o["ddp"]["method"] == "hierarchical" for o in out)
+
+
+def test_a_stuck_launch_is_stopped(bed2, tmp_path):
+    launch = bed2.launch(["-m", "tests.multihost_worker", str(tmp_path), "hang"],
+                         env=M.worker_env(), log_dir=tmp_path)
+    with pytest.raises(mt.TestbedTimeout, match=r"host\(s\) \[0, 1\] did not finish"):
+        launch.wait(timeout=15)
+    for i in range(bed2.hosts):
+        assert mt.ip("netns", "pids", bed2.namespace(i)).stdout.split() == []
+
+
+def test_stale_beds_are_removed_and_live_ones_kept(bed2):
+    child = subprocess.Popen(["true"])  # its pid, once it exited, names a bed whose creator is gone
+    child.wait()
+    dead = child.pid
+    stale = f"{mt.PREFIX}{dead}-000000-h0"
+    mt.ip("netns", "add", stale)
+    try:
+        removed = mt.clean_stale()
+    finally:
+        mt.ip("netns", "del", stale, check=False)
+    assert removed == [stale]
+    assert {bed2.namespace(0), bed2.namespace(1), bed2.switch} <= set(mt.namespaces())
