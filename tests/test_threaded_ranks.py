@@ -25,7 +25,8 @@ poll budget).
 import pytest
 import torch
 
-from pyfused.fused.virtual_cases import CASES, max_rel_error
+from pyfused.fused.virtual_cases import cases, max_rel_error
+from pyfused.ops.registry import OPS
 from pyfused.kernels.gemm_configs import GemmConfig
 from tests.utils import TOLERANCES
 
@@ -104,7 +105,7 @@ def test_fused_schedule(interpreter, group_of, name, world):
     from pyfused.testing.threaded_ranks import Faults, run_fused_case
 
     dtype = _dtype(FUSED_CASES, name, world)
-    case = CASES[name]
+    case = cases(OPS.values())[name]
     inputs = case.make(world, _rows(name, world), N, K, dtype, torch.device("cpu"), world)
     faults = Faults(flag_delay_s=FLAG_DELAY_S, held_back=world - 1, seed=world)
     outs = run_fused_case(group_of(world), case.fused, inputs, faults)

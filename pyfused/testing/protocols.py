@@ -34,7 +34,9 @@ from torch import Tensor
 
 from ..comm.symmetric import SymmetricBuffer
 from ..fused import config
-from ..fused.virtual_cases import CASES, EPS, Inputs
+from ..fused.virtual_cases import Inputs, cases
+from ..ops.all_reduce_add_rmsnorm import SAMPLE_EPS as EPS  # the cases' eps
+from ..ops.registry import OPS
 from ..ops.gemm import gemm, plan_gemm
 from ..ops.reduce import PointerTable, chunk_rows_of, multi_source_reduce
 from .threaded_ranks import NO_FAULTS, Faults, RankView, run_ranks
@@ -210,7 +212,8 @@ class Protocol:
     reference: Callable[[Inputs], List[Tensor]]   # fp64, one per rank
 
 
-PROTOCOLS: Dict[str, Protocol] = {name: Protocol(name, run, CASES[name].make, CASES[name].reference)
+_CASES = cases(OPS.values())
+PROTOCOLS: Dict[str, Protocol] = {name: Protocol(name, run, _CASES[name].make, _CASES[name].reference)
                                   for name, run in (
     ("all_gather_matmul", all_gather_matmul),
     ("matmul_reduce_scatter", matmul_reduce_scatter),
