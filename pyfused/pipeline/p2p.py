@@ -5,6 +5,9 @@ it). Receive works are kept per message and waited right before the compute that
 works are kept in a queue and dropped when they have completed (polled at every step), waited only
 when more than ``MAX_OPEN_SENDS`` are open or at the end of the step.
 
+The moments ``pipeline.post``, ``pipeline.recv`` and ``pipeline.finish`` (``:before`` /
+``:after``) are fault points (``pyfused.comm.faults.fault_point``) for the fault tests.
+
 Receive buffers come from a pool keyed by (shape, dtype) and go back to it when the consumer is
 done (a received activation after its microbatch's backward, a gradient after the backward that
 used it), so a steady-state step allocates no communication memory.
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.faults import fault_point
 from .plan import Message
 
 MAX_OPEN_SENDS = 64
@@ -90,9 +94,11 @@ class Transport:
         if not ops:
             return
         t0 = time.perf_counter()
+        fault_point("pipeline.post:before")
         with comm.on_comm_stream(self.device) as stream, comm.failures_named(
                 TRANSFER, self.pg, ("posting", len(ops), "transfers")):
             works = dist.batch_isend_irecv(ops)
+        fault_point("pipeline.post:after")
         for op in ops:
             comm.keep_alive(op.tensor, stream)
         if len(works) != len(ops):  # coalesced: the batch's works stand for every op in it
@@ -120,9 +126,11 @@ class Transport:
     def wait_recv(self, msg: Message) -> Tuple[torch.Tensor, ...]:
         works, tensors, peer = self._recvs.pop(msg)
         t0 = time.perf_counter()
+        fault_point("pipeline.recv:before")
         with comm.failures_named(TRANSFER, self.pg, ("receiving", msg), peer):
             for w in works:
                 w.wait()
+        fault_point("pipeline.recv:after")
         if self.recorder is not None:
             self.recorder.wait(msg, t0, time.perf_counter())
         return tensors
@@ -142,8 +150,10 @@ class Transport:
 
     def finish(self) -> None:
         """Complete every open send (end of a step); receives must all have been consumed."""
+        fault_point("pipeline.finish:before")
         while self._sends:
             self._wait_send(self._sends.popleft())
+        fault_point("pipeline.finish:after")
         if self._recvs:
             left = ", ".join(map(str, self._recvs))
             self._recvs.clear()
