@@ -16,7 +16,8 @@ collective; docs/FAULTS.md); the message is built only when something failed.
 
 ``agree_on_local_work`` is the other half: work that may fail on one rank alone (a file, a plot)
 followed by an agreement, so that the others raise at once instead of at their next collective's
-timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout.
+timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout, and
+``transfer_timeout`` is what a p2p ``Work.wait`` must be given for that timeout to bound it.
 
 ``fault_point(name)`` marks a moment of an operation (``"pipeline.recv:before"``...) at which a test
 can make this process kill or stop itself (``strike_at``), so that a fault test hits the same
@@ -68,6 +69,21 @@ def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelt
         except (RuntimeError, AttributeError, ValueError):
             continue
     return None
+
+
+def transfer_timeout(pg: Optional[dist.ProcessGroup], device: torch.device) -> datetime.timedelta:
+    """What to pass to ``Work.wait(timeout)`` of a p2p transfer on ``pg``: the group's timeout on a
+    CPU backend; ``timedelta(0)`` (no timeout of the wait's own) on CUDA.
+
+    gloo bounds a collective by the group's current timeout, but a send or receive waited without a
+    timeout by the timeout the group was *created* with: one changed later by
+    ``torch.distributed.set_timeout`` -- as ``inherit_default_timeout`` changes a DeviceMesh's
+    30-minute groups -- is ignored, and a frozen peer holds the wait that long. A timeout passed to
+    the wait bounds it. On CUDA a wait with a timeout would block the host until the transfer ends;
+    NCCL's watchdog bounds it there instead (docs/FAULTS.md)."""
+    if device.type != "cpu":
+        return datetime.timedelta(0)
+    return group_timeout(pg) or datetime.timedelta(0)
 
 
 def is_comm_failure(e: BaseException) -> bool:
