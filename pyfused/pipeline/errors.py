@@ -52,7 +52,7 @@ def agree_step(pg, name: str, ints: Sequence[int], tensors: Sequence[Optional[to
     fault_point("pipeline.agreement:before")
     sigs = comm.exchange(pg, sig)
     fault_point("pipeline.agreement:after")
-    msg = comm.differs(sigs, "the pipeline call", lambda s: s.op, lambda s: s.name)
+    msg = comm.validate.differing_ops(pg, sigs, "the pipeline call")
     if msg is None:
         flagged = [r for r, s in enumerate(sigs) if s.ints[0]]
         if flagged:
