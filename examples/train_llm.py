@@ -19,9 +19,10 @@ the mesh, then loss (mean over dp ranks), tokens/s and step time every ``--log-e
 
 Checkpoints (``--ckpt-dir``, ``--save-every``) are torch.distributed.checkpoint (DCP) directories,
 ``<ckpt-dir>/step_<N>/``, written by every rank in parallel (its own shards of the model and of the
-optimizer state, keyed by the original model's names: pyfused/parallelize/checkpoint.py). Rank 0
-writes ``step_<N>/COMPLETE`` only after DCP's save returned on every rank, so a checkpoint that was
-being written when a rank died is never taken for a complete one. At start the script resumes from
+optimizer state, keyed by the original model's names: pyfused/parallelize/checkpoint.py).
+``checkpoint.save`` is atomic: ``step_<N>/`` appears, with its ``COMPLETE`` marker, only after every
+rank's write returned, so a checkpoint that was being written when a rank died is never taken for a
+complete one (``checkpoint.is_complete``). At start the script resumes from
 the newest complete checkpoint (``--resume auto``, the default), on any mesh: DCP reshards. So under
 ``torchrun --max-restarts N`` a run whose rank dies is restarted by torchrun and goes on from its last
 checkpoint; batches are a pure function of the step, so its losses are the uninterrupted run's.
@@ -38,7 +39,7 @@ import argparse
 import datetime
 import json
 import os
-import shutil
+import re
 import signal
 import time
 from pathlib import Path
@@ -154,18 +155,20 @@ class Batches:
         return ids, ids.clone()  # causal LM: labels = inputs (the model shifts them)
 
 
-COMPLETE = "COMPLETE"
-
-
 def complete_checkpoints(ckpt_dir) -> list:
     """The step_<N> folders of ``ckpt_dir`` whose save finished on every rank, oldest first."""
+    from pyfused.parallelize import checkpoint
+
     root = Path(ckpt_dir)
-    found = [d for d in root.glob("step_*") if (d / COMPLETE).is_file()] if root.is_dir() else []
+    found = [d for d in root.glob("step_*") if re.fullmatch(r"step_\d+", d.name)
+             and checkpoint.is_complete(d)] if root.is_dir() else []
     return sorted(found, key=lambda d: int(d.name.split("_")[1]))
 
 
 def checkpoint_to_resume(args, rank):
     """The checkpoint folder to resume from (rank 0 decides, every rank gets its answer), or None."""
+    from pyfused.parallelize import checkpoint
+
     if args.resume not in ("auto", "latest", "none") and not args.ckpt_dir:
         raise SystemExit(f"--resume {args.resume} needs --ckpt-dir")
     choice = [None]
@@ -175,35 +178,24 @@ def checkpoint_to_resume(args, rank):
             choice[0] = str(done[-1]) if done else None
         else:
             folder = Path(args.ckpt_dir) / args.resume
-            choice[0] = str(folder) if (folder / COMPLETE).is_file() else f"!{folder}"
+            choice[0] = str(folder) if checkpoint.is_complete(folder) else f"!{folder}"
     dist.broadcast_object_list(choice, src=0)
     folder = choice[0]
     if folder is not None and folder.startswith("!"):
-        raise SystemExit(f"{folder[1:]} is not a complete checkpoint (no {COMPLETE} marker)")
+        raise SystemExit(f"{folder[1:]} is not a complete checkpoint (its save did not finish)")
     if folder is None and args.resume == "latest":
         raise SystemExit(f"--resume latest: no complete checkpoint in {args.ckpt_dir}")
     return folder
 
 
 def save_checkpoint(args, step, pm, opt, rank, mesh_sizes):
+    """``step_<N>/`` under --ckpt-dir; an earlier folder of that step (a run this one replaces) is
+    replaced only once the new one is complete."""
     from pyfused.parallelize import checkpoint
 
     folder = Path(args.ckpt_dir) / f"step_{step:06d}"
-    # a folder of this step is from a save that did not finish (else this run resumed from it), or
-    # from a run this one replaces (--resume none, or an older step_<N>)
-    if rank == 0 and folder.exists():
-        shutil.rmtree(folder)
-    dist.barrier()
     checkpoint.save(folder, pm, opt, extra={"step": step, "mesh": list(mesh_sizes)},
                     storage_writer=_writer(args, folder, step, rank))
-    dist.barrier()  # DCP's save returned on every rank: every shard and the metadata are on disk
-    if rank == 0:
-        marker = folder / (COMPLETE + ".tmp")
-        with open(marker, "w") as f:
-            f.write(json.dumps({"step": step, "mesh": list(mesh_sizes)}))
-            f.flush()
-            os.fsync(f.fileno())
-        marker.replace(folder / COMPLETE)
 
 
 def load_checkpoint(folder, pm, opt) -> int:

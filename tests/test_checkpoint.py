@@ -245,3 +245,156 @@ def test_fsdp_pipeline_saves_and_loads(ranks, tmp_path):
     full, losses = ranks.run(4, _fsdp_pipeline_round_trip, path, timeout=240)[0]
     assert_close(torch.tensor(_plain_losses(path, full, "gpt2")), torch.tensor(losses),
                  name="gpt2 losses after loading the fsdp x pp checkpoint, plain model")
+
+
+# ---- an interrupted save, a dead or frozen peer, an incomplete folder ---------------------------
+# Fresh ranks that may lose one (tests/fault_ranks.py): TP=3 over a tiny Llama, so that every rank
+# writes rows of its own. The group's timeout is long while the ranks start and save the first
+# checkpoint, then TIMEOUT_S (torch.distributed.set_timeout) for the struck save or load.
+FAULT_WORLD, VICTIM, TIMEOUT_S, MARGIN_S = 3, 1, 3.0, 6.0
+
+
+def _tp3_llama(seed: int):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=60, hidden_size=24, intermediate_size=30, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=16)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _striking_writer(path):
+    """A FileSystemWriter with fault points just before and after this rank writes its shards."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from pyfused.comm.faults import fault_point
+
+    class StrikingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            fault_point("test.write:before")
+            done = super().write_data(plan, planner)
+            done.wait()
+            fault_point("test.write:after")  # this rank's shards are on disk, the save unfinished
+            return done
+
+    return StrikingWriter(path)
+
+
+def _striking_reader(path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from pyfused.comm.faults import fault_point
+
+    class StrikingReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            fault_point("test.read:before")
+            return super().read_data(plan, planner)
+
+    return StrikingReader(path)
+
+
+def _interrupted(rank, out, op, point, action):
+    """Train and save step 1 (rank 0 keeps its full state dict), train step 2, then ``op``
+    ("save": save step 2 into the same folder; "load": load step 1) with rank VICTIM striking at
+    ``point``."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.comm import faults
+    from pyfused.parallelize import checkpoint
+    from tests.fault_ranks import record_strike
+
+    mesh = init_device_mesh("cpu", (FAULT_WORLD,), mesh_dim_names=("tp",))
+    pm = pyfused.parallelize(_tp3_llama(0), mesh)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    path = out / "ckpt"
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    for step in (1, 2):
+        pm.backward(pm(input_ids=ids, labels=ids).loss)
+        opt.step()
+        if step == 1:
+            checkpoint.save(path, pm, opt, extra={"step": 1})
+            full = pm.full_state_dict()
+            if rank == 0:
+                torch.save(full, out / "step1.pt")
+    dist.barrier()
+    dist.set_timeout(datetime.timedelta(seconds=TIMEOUT_S))
+    if rank == VICTIM:
+        faults.strike_at(point, 1, action, before=lambda _: record_strike(out))
+    if op == "save":
+        checkpoint.save(path, pm, opt, extra={"step": 2}, storage_writer=_striking_writer(path))
+    else:
+        checkpoint.load(path, pm, opt, storage_reader=_striking_reader(path))
+
+
+@pytest.mark.parametrize("action", ["kill", "stop"])
+@pytest.mark.parametrize("op,point", [("save", "test.write:before"), ("save", "test.write:after"),
+                                      ("load", "test.read:before")],
+                         ids=["save-before-write", "save-after-write", "load-before-read"])
+def test_interrupted_save_leaves_the_previous_checkpoint(op, point, action, tmp_path):
+    """The survivors raise PeerFailure naming the checkpoint operation within the timeout, and the
+    folder still loads exactly step 1's checkpoint: the interrupted save wrote nothing into it."""
+    from pyfused.parallelize import checkpoint
+    from tests.fault_ranks import launch
+
+    bound = (TIMEOUT_S if action != "kill" else 0.0) + MARGIN_S
+    results = launch(_interrupted, (op, point, action), world=FAULT_WORLD, victim=VICTIM,
+                     out=tmp_path, timeout_s=60.0, bound_s=TIMEOUT_S + MARGIN_S,
+                     preload=["pyfused.parallelize", "transformers.models.llama.modeling_llama",
+                              "torch.distributed.checkpoint", "tests.test_checkpoint"])
+    for r, res in results.items():
+        assert res["raised"] == "PeerFailure", f"rank {r}: {res}"
+        assert f"pyfused.checkpoint.{op}" in res["message"] or \
+            f"agreement after checkpoint.{op}" in res["message"], res["message"]
+        assert 0 <= res["raise_s"] <= bound, f"rank {r} raised after {res['raise_s']:.1f} s"
+    print(f"\n{op} interrupted ({action} {point}): " + ", ".join(
+        f"rank {r} raised at {res['raise_s']:.2f} s" for r, res in results.items()))
+    step1 = torch.load(tmp_path / "step1.pt")
+    model = _tp3_llama(5)
+    extra = checkpoint.load(tmp_path / "ckpt", model, extra={"step": 0})
+    assert extra == {"step": 1}, extra
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, step1[k]), f"{k}: the loaded checkpoint is not step 1's"
+
+
+def _load_incomplete(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    from pyfused.parallelize import checkpoint
+
+    torch.manual_seed(0)  # the same replica on every rank
+    model = torch.nn.Linear(5, 3)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)  # no COMPLETE marker
+    try:
+        checkpoint.load(path, torch.nn.Linear(5, 3))
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    fresh = torch.nn.Linear(5, 3)
+    checkpoint.load(path, fresh, allow_incomplete=True)
+    return message, all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+
+
+def test_load_refuses_an_incomplete_checkpoint(ranks, tmp_path):
+    """A folder without the marker (a save that did not finish, a plain dcp.save) is refused with
+    the same CheckpointError on every rank; allow_incomplete=True loads it."""
+    got = ranks.run(2, _load_incomplete, str(tmp_path / "plain"), timeout=120)
+    assert got[0] == got[1], got
+    message, loaded = got[0]
+    assert message and "has no COMPLETE marker" in message and "allow_incomplete=True" in message
+    assert loaded
+
+
+def test_save_commits_by_renaming(tmp_path):
+    """One process (no group): the folder appears complete, the staging and replaced folders go."""
+    from pyfused.parallelize import checkpoint
+
+    model, path = torch.nn.Linear(5, 3), tmp_path / "one"
+    for step in (1, 2):
+        checkpoint.save(path, model, extra={"step": step})
+        assert checkpoint.is_complete(path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["one"]
+    assert checkpoint.load(path, torch.nn.Linear(5, 3), extra={"step": 0}) == {"step": 2}

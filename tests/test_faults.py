@@ -2,12 +2,11 @@
 the others: on every communicating path of pyfused, each surviving rank raises ``PeerFailure``
 naming the pyfused operation within the group's timeout plus a margin, and exits.
 
-The shared rank pool (tests/dist_pool.py) cannot lose a rank, so these tests start their own three
-gloo ranks per case (``run_with_fault``): processes forked from a forkserver that has torch and
-pyfused imported (a start costs ~0.1 s, not an interpreter's import), joined through a FileStore,
-with a group timeout of ``TIMEOUT_S``. The victim is rank ``VICTIM``; it records when it struck,
-the survivors record when and what they raised, and every process left is killed in teardown.
-Each case prints its times (``pytest -s`` shows them).
+The shared rank pool (tests/dist_pool.py) cannot lose a rank, so these tests start three fresh gloo
+ranks per case (tests/fault_ranks.py), with a group timeout of ``TIMEOUT_S``. The victim is rank
+``VICTIM``; it records when it struck, the survivors record when and what they raised, and every
+process left is killed in teardown. Each case prints its times (``pytest -s`` shows them).
+tests/test_faults_pipeline.py strikes at every moment of a pipeline step.
 
 The tests after them use the shared pool: local work that fails on one rank reaches every rank at
 once (the pipeline bench suite without matplotlib included), and the fused kernels' waits and a
@@ -16,18 +15,17 @@ DeviceMesh's groups take the group's timeout.
 from __future__ import annotations
 
 import datetime
-import json
-import multiprocessing as mp
 import os
 import signal
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from tests.fault_ranks import launch, record_strike
 
 WORLD = 3
 VICTIM = 1
@@ -49,7 +47,7 @@ class Fault:
     def point(self, step: int) -> None:
         if self.rank != VICTIM or step != STRIKE_STEP:
             return
-        (self.out / "struck.json").write_text(json.dumps({"t": time.monotonic()}))
+        record_strike(self.out)
         if self.mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.mode == "stop":
@@ -228,76 +226,19 @@ NAMES["ops-decomposed"] = NAMES["ops-unfused"]
 NAMES["bench-suite"] = ("bench agreement after suite",)
 
 
-# ----------------------------------------------------------------------------- one rank
-def _rank_main(rank: int, path: str, mode: str, out: str) -> None:
-    torch.set_num_threads(1)
-    out_dir = Path(out)
-    dist.init_process_group("gloo", store=dist.FileStore(str(out_dir / "store"), WORLD), rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        PATHS[path](rank, Fault(rank, mode, out_dir))
-        result = {"raised": None}
-    except Exception as e:  # noqa: BLE001 - what the survivor raised is the test's subject
-        result = {"raised": type(e).__name__, "message": str(e), "t": time.monotonic(),
-                  "op": getattr(e, "op", None), "peer": getattr(e, "peer", None),
-                  "traceback": traceback.format_exc(limit=-4)}
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    if result["raised"]:
-        raise SystemExit(1)  # a plain exit, through the interpreter's and torch's teardown
-
-
-_context = None
-
-
-def _forkserver():
-    """A forkserver with torch and pyfused imported, so that each rank starts in ~0.1 s."""
-    global _context
-    if _context is None:
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload([
-            "torch", "torch.distributed", "pyfused", "pyfused.layers", "pyfused.pipeline",
-            "pyfused.parallelize", "transformers.models.llama.modeling_llama", "tests.test_faults"])
-    return _context
+# ----------------------------------------------------------------------------- one case
+def _run_path(rank: int, out: Path, path: str, mode: str) -> None:
+    PATHS[path](rank, Fault(rank, mode, out))
 
 
 def run_with_fault(path: str, mode: str, tmp_path: Path) -> dict:
     """Run ``path`` on 3 fresh gloo ranks with rank VICTIM striking; return the survivors' results
     and timings. Every process is gone when this returns."""
-    ctx = _forkserver()
-    procs = [ctx.Process(target=_rank_main, args=(r, path, mode, str(tmp_path)), daemon=True)
-             for r in range(WORLD)]
-    survivors = [r for r in range(WORLD) if r != VICTIM]
-    exited = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 60 + TIMEOUT_S + MARGIN_S  # start-up on a busy machine
-        while len(exited) < len(survivors) and time.monotonic() < deadline:
-            for r in survivors:
-                if r not in exited and not procs[r].is_alive():
-                    exited[r] = time.monotonic()
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    lingering = set(survivors) - set(exited)
-    assert not lingering, f"{path}/{mode}: survivors still running after the deadline: {lingering}"
-    if not (tmp_path / "struck.json").exists():
-        found = {f.name: f.read_text() for f in tmp_path.glob("rank*.json")}
-        raise AssertionError(f"{path}/{mode}: the victim never struck; the ranks wrote {found}")
-    struck = json.loads((tmp_path / "struck.json").read_text())["t"]
-    results = {}
-    for r in survivors:
-        file = tmp_path / f"rank{r}.json"
-        assert file.exists(), f"{path}/{mode}: rank {r} exited (code {procs[r].exitcode}) without a result"
-        res = json.loads(file.read_text())
-        res["raise_s"] = res["t"] - struck if res.get("raised") else None
-        res["exit_s"] = exited[r] - struck
-        res["exitcode"] = procs[r].exitcode
-        results[r] = res
-    return results
+    bound = 3 * TIMEOUT_S + MARGIN_S  # the longest any path may take (the bench suite's)
+    return launch(_run_path, (path, mode), world=WORLD, victim=VICTIM, out=tmp_path,
+                  timeout_s=TIMEOUT_S, bound_s=bound,
+                  preload=["pyfused.layers", "pyfused.pipeline", "pyfused.parallelize",
+                           "transformers.models.llama.modeling_llama", "tests.test_faults"])
 
 
 # ----------------------------------------------------------------------------- tests

@@ -39,7 +39,13 @@ def metrics(path):
 
 
 def complete(ckpt):
-    return sorted(d.name for d in ckpt.glob("step_*") if (d / "COMPLETE").is_file())
+    """The checkpoint folders of ``ckpt`` (no staging folder left behind), those complete marked."""
+    from pyfused.parallelize import checkpoint
+
+    folders = sorted(ckpt.iterdir())
+    assert all(d.name.startswith("step_") and d.name[5:].isdigit() for d in folders
+               if d.is_dir()), [d.name for d in folders]
+    return [d.name for d in folders if d.is_dir() and checkpoint.is_complete(d)]
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,30 @@ def _mismatched_ops(rank, world):
     return False
 
 
+def _ops_known_on_one_rank(rank, world):
+    import torch.distributed as dist
+
+    from pyfused import comm
+
+    sig = comm.Signature(comm.op_code(f"test.called_only_on_rank{rank}"), (), ())
+    try:
+        comm.agree(dist.group.WORLD, sig, lambda sigs: None)
+    except comm.InputError as e:
+        return str(e)
+    return None
+
+
+def test_an_op_other_ranks_never_called_is_named(ranks):
+    """Each rank knows the names of the ops it called only; the error (after the name of the op
+    this rank called) still names every rank's op, the same on every rank."""
+    messages = ranks.run(3, _ops_known_on_one_rank, timeout=TIMEOUT)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"pyfused.test.called_only_on_rank{rank}: "), message
+    assert len({m.split(": ", 1)[1] for m in messages}) == 1, messages
+    assert messages[0].endswith("the op called differs between ranks: rank 0 has "
+                                "test.called_only_on_rank0, rank 1 has test.called_only_on_rank1"), messages
+
+
 def test_group_stays_usable_after_an_error(ranks):
     """After every rank raised, the same group still runs a correct op (nothing half-launched)."""
     assert all(ranks.run(3, _error_then_success, timeout=TIMEOUT))

@@ -16,13 +16,21 @@ collective; docs/FAULTS.md); the message is built only when something failed.
 
 ``agree_on_local_work`` is the other half: work that may fail on one rank alone (a file, a plot)
 followed by an agreement, so that the others raise at once instead of at their next collective's
-timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout.
+timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout, and
+``transfer_timeout`` is what a p2p ``Work.wait`` must be given for that timeout to bound it.
+
+``fault_point(name)`` marks a moment of an operation (``"pipeline.recv:before"``...) at which a test
+can make this process kill or stop itself (``strike_at``), so that a fault test hits the same
+moment every run; unarmed it is one comparison.
 """
 from __future__ import annotations
 
 import datetime
 import functools
 import inspect
+import os
+import signal
+import time
 from typing import Callable, Optional, Tuple, TypeVar, Union
 
 import torch
@@ -61,6 +69,21 @@ def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelt
         except (RuntimeError, AttributeError, ValueError):
             continue
     return None
+
+
+def transfer_timeout(pg: Optional[dist.ProcessGroup], device: torch.device) -> datetime.timedelta:
+    """What to pass to ``Work.wait(timeout)`` of a p2p transfer on ``pg``: the group's timeout on a
+    CPU backend; ``timedelta(0)`` (no timeout of the wait's own) on CUDA.
+
+    gloo bounds a collective by the group's current timeout, but a send or receive waited without a
+    timeout by the timeout the group was *created* with: one changed later by
+    ``torch.distributed.set_timeout`` -- as ``inherit_default_timeout`` changes a DeviceMesh's
+    30-minute groups -- is ignored, and a frozen peer holds the wait that long. A timeout passed to
+    the wait bounds it. On CUDA a wait with a timeout would block the host until the transfer ends;
+    NCCL's watchdog bounds it there instead (docs/FAULTS.md)."""
+    if device.type != "cpu":
+        return datetime.timedelta(0)
+    return group_timeout(pg) or datetime.timedelta(0)
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -209,3 +232,57 @@ def inherit_default_timeout(groups) -> None:
         dist.set_timeout(wanted, pg)
         logger.info("pyfused: group %r had torch's default timeout %s; set to the default group's %s",
                     pg.group_name, current, wanted)
+
+
+# ---- deterministic faults, for tests -----------------------------------------------------------
+class _Strike:
+    __slots__ = ("point", "nth", "action", "before", "seen")
+
+    def __init__(self, point: str, nth: int, action: str, before: Optional[Callable[[str], None]]):
+        self.point, self.nth, self.action, self.before, self.seen = point, nth, action, before, 0
+
+
+_strike: Optional[_Strike] = None
+STRIKE_ACTIONS = ("kill", "stop", "sleep")
+
+
+def strike_at(point: str, nth: int = 1, action: str = "kill",
+              before: Optional[Callable[[str], None]] = None) -> None:
+    """Make this process strike the ``nth`` time (counted from this call) it passes
+    ``fault_point(point)``: ``"kill"`` (SIGKILL), ``"stop"`` (SIGSTOP: frozen, its threads too) or
+    ``"sleep"`` (alive, its backend's threads too, but never back); ``before(point)`` runs just
+    before (a test records the time there). For fault tests; one strike is armed at a time.
+    ``point``: see the ``fault_point`` calls (docs/FAULTS.md lists them)."""
+    global _strike
+    if action not in STRIKE_ACTIONS or nth < 1:
+        raise ValueError(f"strike_at: action must be one of {STRIKE_ACTIONS} and nth >= 1; "
+                         f"got {action!r}, {nth}")
+    _strike = _Strike(point, nth, action, before)
+
+
+def disarm() -> None:
+    """Forget the strike armed by ``strike_at``."""
+    global _strike
+    _strike = None
+
+
+def fault_point(point: str) -> None:
+    """A named moment of an operation, where an armed strike (``strike_at``) may hit."""
+    if _strike is None or _strike.point != point:
+        return
+    _strike.seen += 1
+    if _strike.seen == _strike.nth:
+        _strike_now(_strike, point)
+
+
+def _strike_now(strike: _Strike, point: str) -> None:
+    logger.warning("pyfused: striking (%s) at %s, as strike_at asked", strike.action, point)
+    if strike.before is not None:
+        strike.before(point)
+    if strike.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif strike.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        while True:
+            time.sleep(3600)

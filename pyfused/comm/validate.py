@@ -52,7 +52,7 @@ from .._logging import logger
 from . import plans
 from .collectives import all_gather_single
 from .faults import failures_named
-from .group import comm_device, world_size
+from .group import comm_device, rank, world_size
 
 MAX_DIMS = 8
 SIG_LEN = 96
@@ -254,6 +254,22 @@ def differs(sigs: Sequence[Signature], what: str, key: Callable[[Signature], obj
     return None
 
 
+def differing_ops(pg: Optional[dist.ProcessGroup], sigs: Sequence[Signature],
+                  what: str) -> Optional[str]:
+    """A message naming the first rank whose op differs from rank 0's (``what``: "the op called"),
+    or None. A rank knows the names of the ops it has called, not the others' (a signature carries
+    a code), so when the ops differ -- the same verdict on every rank, from the same list -- every
+    rank sends its own op's name (one ``all_gather_object``, on this error path only)."""
+    if all(s.op == sigs[0].op for s in sigs):
+        return None
+    names: List[Optional[str]] = [None] * len(sigs)
+    with failures_named("cross-rank input check", pg, "exchanging the names of differing ops"):
+        dist.all_gather_object(names, op_name(sigs[rank(pg)].op), group=pg)
+    for s, name in zip(sigs, names):
+        _op_names.setdefault(s.op, name)
+    return differs(sigs, what, lambda s: s.op, lambda s: s.name)
+
+
 def agree(pg: Optional[dist.ProcessGroup], sig: Signature,
           check: Callable[[List[Signature]], Optional[str]]) -> List[Signature]:
     """Exchange signatures and raise the same ``InputError`` on every rank if ``check`` objects.
@@ -262,7 +278,7 @@ def agree(pg: Optional[dist.ProcessGroup], sig: Signature,
     returns an error message or None. It runs after a check that every rank called the same op.
     """
     sigs = exchange(pg, sig)
-    msg = differs(sigs, "the op called", lambda s: s.op, lambda s: s.name)
+    msg = differing_ops(pg, sigs, "the op called")
     if msg is None:
         msg = check(sigs)
     if msg is not None:

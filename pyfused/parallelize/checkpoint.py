@@ -33,6 +33,7 @@ state dict, and ``dcp.load`` fills a plain single-process model's.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -41,6 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from .. import comm
+from . import checkpoint_folder
 from .shard import ShardSpec
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # local offset, global offset, size
@@ -298,22 +301,44 @@ def save(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
          extra: Optional[Dict[str, Any]] = None, **dcp_options) -> None:
     """Write ``pm`` (and ``optimizer``; ``extra``: small picklable values such as the step, the same
     on every rank) to the DCP checkpoint ``checkpoint_id`` (a directory). A collective: every rank
-    of the mesh calls it."""
+    of the mesh calls it.
+
+    Atomic (checkpoint_folder.py): the ranks write into ``<checkpoint_id>.partial``, which becomes
+    ``checkpoint_id``, marked complete, only after every rank's write returned; a save interrupted
+    before that leaves an earlier checkpoint of that name as it was. A rank that dies or freezes
+    meanwhile makes the others raise ``PeerFailure`` naming ``checkpoint.save``."""
     pm = _as_parallel(pm)
-    _synchronize(pm)
-    _run("saving", checkpoint_id, dcp.save, _state_dict(pm, optimizer, extra, None), **dcp_options)
+    pg = _group(dcp_options)
+    final = Path(checkpoint_id)
+    with comm.failures_named("checkpoint.save", pg):
+        _synchronize(pm)
+        state = _state_dict(pm, optimizer, extra, None)
+        staged, world = checkpoint_folder.staging_folder(final), comm.world_size(pg)
+        coordinator = _is_coordinator(pg)  # DCP's: it prepares and commits the folder
+        comm.agree_on_local_work(pg, f"checkpoint.save: preparing {staged}",
+                                 lambda: checkpoint_folder.prepare(final) if coordinator else None)
+        _run("saving", staged, dcp.save, state, **dcp_options)
+        comm.agree_on_local_work(pg, f"checkpoint.save: committing {final}",
+                                 lambda: checkpoint_folder.commit(final, world) if coordinator else None)
 
 
 def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
-         extra: Optional[Dict[str, Any]] = None, **dcp_options) -> Dict[str, Any]:
+         extra: Optional[Dict[str, Any]] = None, *, allow_incomplete: bool = False,
+         **dcp_options) -> Dict[str, Any]:
     """Load a checkpoint written by ``save`` on any mesh into ``pm`` (and ``optimizer``), in place.
     ``extra``: the keys (with example values) to read back; returns them. A collective. A checkpoint
-    of another model (a missing key, another shape) raises CheckpointError on every rank."""
+    of another model (a missing key, another shape), or one whose save did not finish (no
+    ``COMPLETE`` marker; ``allow_incomplete=True`` loads such a folder, e.g. one written by a plain
+    ``dcp.save``), raises CheckpointError on every rank."""
     pm = _as_parallel(pm)
-    _synchronize(pm)
-    copy_back: list = []
-    state = _state_dict(pm, optimizer, extra, copy_back)
-    _run("loading", checkpoint_id, dcp.load, state, **dcp_options)
+    pg = _group(dcp_options)
+    with comm.failures_named("checkpoint.load", pg):
+        if not allow_incomplete:
+            _require_complete(pg, checkpoint_id)
+        _synchronize(pm)
+        copy_back: list = []
+        state = _state_dict(pm, optimizer, extra, copy_back)
+        _run("loading", checkpoint_id, dcp.load, state, **dcp_options)
     with torch.no_grad():
         for staged, target in copy_back:
             target.copy_(staged)
@@ -321,6 +346,37 @@ def load(checkpoint_id, pm, optimizer: Optional[torch.optim.Optimizer] = None,
         _apply_param_groups(optimizer, state["optim"]["param_groups"])
     _after_load(pm)
     return state.get("extra", {})
+
+
+def is_complete(checkpoint_id) -> bool:
+    """Whether ``checkpoint_id`` is a checkpoint whose ``save`` finished on every rank (local)."""
+    return checkpoint_folder.is_complete(checkpoint_id)
+
+
+def _require_complete(pg, checkpoint_id) -> None:
+    """The same CheckpointError on every rank unless every rank sees a complete checkpoint."""
+    def check():
+        reason = checkpoint_folder.incomplete_reason(checkpoint_id)
+        if reason is not None:
+            raise CheckpointError(reason)
+
+    try:
+        comm.agree_on_local_work(pg, f"checkpoint.load: checking {checkpoint_id}", check)
+    except comm.LocalWorkError as e:
+        raise CheckpointError(f"pyfused checkpoint: {e}") from None
+
+
+def _group(dcp_options) -> Optional[dist.ProcessGroup]:
+    """DCP's group: its ``process_group`` option, else the default group (None without one)."""
+    pg = dcp_options.get("process_group")
+    if pg is None and dist.is_available() and dist.is_initialized():
+        pg = dist.group.WORLD
+    return pg
+
+
+def _is_coordinator(pg) -> bool:
+    """Whether this rank is DCP's coordinator: rank 0 of its group."""
+    return pg is None or dist.get_rank(pg) == 0
 
 
 def _ddp_modules(pm):

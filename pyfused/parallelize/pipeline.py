@@ -277,7 +277,8 @@ class PipelinedModel:
         if labels is not None:
             loss = torch.stack(losses).sum() if self.is_last else torch.zeros((), device=input_ids.device)
             loss = loss.float()
-            dist.broadcast(loss, group=self.pg, group_src=self.pp - 1)
+            with comm.failures_named("parallelize pipeline (loss broadcast)", self.pg):
+                dist.broadcast(loss, group=self.pg, group_src=self.pp - 1)
         return self.output_type(loss=loss, logits=logits if self.is_last else None)
 
     def _sum_tied_grads(self) -> None:
@@ -297,7 +298,8 @@ class PipelinedModel:
                 chunk = -(-rows // world)
                 rows = max(0, min(chunk, rows - rank * chunk))
             g = torch.zeros((rows, h), device=self.device)
-        dist.all_reduce(g, group=self.pg)
+        with comm.failures_named("parallelize pipeline (tied embedding gradients)", self.pg):
+            dist.all_reduce(g, group=self.pg)
         if w is not None and w.grad is None:
             w.grad = _like(w, g)
 

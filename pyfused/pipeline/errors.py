@@ -11,6 +11,10 @@ Two moments need it:
     so every transfer still has its partner; at the end one ``all_reduce`` tells every rank whether
     any rank failed, and all raise the same ``PipelineError``.
 
+Both are collectives, which gloo bounds by the group's current timeout. The moments
+``pipeline.agreement`` and ``pipeline.end`` (``:before`` / ``:after``) are fault points
+(``pyfused.comm.faults.fault_point``) for the fault tests.
+
 With ``pyfused.comm.set_validation(False)`` neither exchange happens: a rank raises its own error
 alone, and its peers may then wait, as they would with plain torch.distributed.
 """
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.faults import fault_point
 
 
 class PipelineError(RuntimeError):
@@ -44,8 +49,10 @@ def agree_step(pg, name: str, ints: Sequence[int], tensors: Sequence[Optional[to
     this rank's when validation is off) once no rank has a local error."""
     sig = comm.Signature(comm.op_code(name), (int(local_error is not None), *ints),
                          tuple(comm.TensorMeta.of(t) for t in tensors))
+    fault_point("pipeline.agreement:before")
     sigs = comm.exchange(pg, sig)
-    msg = comm.differs(sigs, "the pipeline call", lambda s: s.op, lambda s: s.name)
+    fault_point("pipeline.agreement:after")
+    msg = comm.validate.differing_ops(pg, sigs, "the pipeline call")
     if msg is None:
         flagged = [r for r, s in enumerate(sigs) if s.ints[0]]
         if flagged:
@@ -66,8 +73,10 @@ def raise_if_any(pg, local_error: Optional[str], device: torch.device) -> None:
             raise PipelineError(local_error)
         return
     flag = torch.tensor([int(local_error is not None)], dtype=torch.int32, device=device)
+    fault_point("pipeline.end:before")
     with comm.failures_named("pipeline end-of-step agreement", pg):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+    fault_point("pipeline.end:after")
     if not flag.item():
         return
     messages = _gather_messages(pg, local_error)

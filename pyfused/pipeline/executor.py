@@ -2,7 +2,10 @@
 
 A stage that raises does not stop the loop: it records the first error, hands zeros of the agreed
 shapes to whoever expects its result, and the loop runs to the end so that every transfer of every
-rank finds its partner. The caller then fails the step on every rank (errors.raise_if_any).
+rank finds its partner. The caller then fails the step on every rank (errors.raise_if_any). A
+communication failure is the exception: a failed transfer, or a stage's own collective that lost a
+peer (``PeerFailure``), ends the step on this rank at once -- its peers' transfers can no longer all
+find their partners, and each of them raises within the group's timeout.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import comm
 from .p2p import Transport
 from .plan import ACT, BACKWARD, FORWARD, Message, Step, needed, produced, stage_rank
 from .stage import PipelineStage, grad_metas
@@ -59,6 +63,12 @@ class StepRun:
             self.tr.pool.release(b)
 
     def _fail(self, what: str, e: BaseException) -> None:
+        # a collective of the stage's own (TP, DDP, FSDP) lost a peer: raise now, as a failed
+        # transfer does; going on would add a wait of up to the group's timeout per transfer
+        if isinstance(e, comm.PeerFailure):
+            raise e
+        if comm.faults.is_comm_failure(e):
+            raise comm.faults.peer_failure(e, f"pipeline {what}", self.tr.pg) from e
         if self.error is None:
             self.error = f"{what}: {type(e).__name__}: {e}"
 

@@ -74,6 +74,7 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
     error: Optional[str] = None
     local: dict = {}  # stage -> header, when the next stage lives on this rank too
     comm_dev = comm.comm_device(pg)
+    wait_s = comm.faults.transfer_timeout(pg, comm_dev)  # the group's timeout (p2p.py says why)
     for stage in sorted(stages, key=lambda s: s.stage_index):
         s = stage.stage_index
         upstream_failed = False
@@ -86,7 +87,7 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
                 header = torch.empty(SIG_LEN, dtype=torch.int64, device=comm_dev)
                 peer = stage_rank(s - 1, p, v_shaped)
                 with comm.failures_named(SHAPES, pg, ("stage", s, "receiving"), peer):
-                    dist.recv(header, group=pg, group_src=peer)
+                    dist.irecv(header, group=pg, group_src=peer).wait(wait_s)
                 status, n_large, in_metas = _decode(header)
             upstream_failed = status != _OK
         out_metas: Metas = ()
@@ -107,8 +108,8 @@ def infer(stages: Sequence[PipelineStage], pg, first_inputs: Optional[Tuple[torc
             else:
                 peer = stage_rank(s + 1, p, v_shaped)
                 with comm.failures_named(SHAPES, pg, ("stage", s, "sending"), peer):
-                    dist.send(_encode(status, n_large, out_metas, comm_dev), group=pg,
-                              group_dst=peer)
+                    dist.isend(_encode(status, n_large, out_metas, comm_dev), group=pg,
+                               group_dst=peer).wait(wait_s)
     return error, n_large
 
 

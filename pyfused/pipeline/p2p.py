@@ -5,6 +5,12 @@ it). Receive works are kept per message and waited right before the compute that
 works are kept in a queue and dropped when they have completed (polled at every step), waited only
 when more than ``MAX_OPEN_SENDS`` are open or at the end of the step.
 
+Every wait is given the group's timeout (``pyfused.comm.faults.transfer_timeout``): without one,
+gloo bounds a p2p wait by the timeout the group was created with, not by one set later
+(``torch.distributed.set_timeout``, which ``parallelize`` uses on its mesh's groups). The moments
+``pipeline.post``, ``pipeline.recv`` and ``pipeline.finish`` (``:before`` / ``:after``) are fault
+points (``pyfused.comm.faults.fault_point``) for the fault tests.
+
 Receive buffers come from a pool keyed by (shape, dtype) and go back to it when the consumer is
 done (a received activation after its microbatch's backward, a gradient after the backward that
 used it), so a steady-state step allocates no communication memory.
@@ -25,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.faults import fault_point
 from .plan import Message
 
 MAX_OPEN_SENDS = 64
@@ -74,6 +81,7 @@ class Transport:
         self._recvs: Dict[Message, Tuple[List, Tuple[torch.Tensor, ...], int]] = {}
         self._sends: Deque[Tuple[List, Tuple[torch.Tensor, ...], Message, int]] = deque()
         self.recorder = None  # a timeline.Recorder while one step is being recorded
+        self.timeout = comm.faults.transfer_timeout(pg, device)  # read again by reset()
 
     def post(self, sends: Sequence[Tuple[Message, int, Tuple[torch.Tensor, ...]]],
              recvs: Sequence[Tuple[Message, int, Tuple[torch.Tensor, ...]]]) -> None:
@@ -90,9 +98,11 @@ class Transport:
         if not ops:
             return
         t0 = time.perf_counter()
+        fault_point("pipeline.post:before")
         with comm.on_comm_stream(self.device) as stream, comm.failures_named(
                 TRANSFER, self.pg, ("posting", len(ops), "transfers")):
             works = dist.batch_isend_irecv(ops)
+        fault_point("pipeline.post:after")
         for op in ops:
             comm.keep_alive(op.tensor, stream)
         if len(works) != len(ops):  # coalesced: the batch's works stand for every op in it
@@ -113,16 +123,20 @@ class Transport:
         self._reap()
 
     def reset(self) -> None:
-        """Forget works of a step that ended with an exception (its group is then suspect anyway)."""
+        """Start a step: forget works of a step that ended with an exception (its group is then
+        suspect anyway) and read the group's timeout again (``set_timeout`` may have changed it)."""
         self._recvs.clear()
         self._sends.clear()
+        self.timeout = comm.faults.transfer_timeout(self.pg, self.device)
 
     def wait_recv(self, msg: Message) -> Tuple[torch.Tensor, ...]:
         works, tensors, peer = self._recvs.pop(msg)
         t0 = time.perf_counter()
+        fault_point("pipeline.recv:before")
         with comm.failures_named(TRANSFER, self.pg, ("receiving", msg), peer):
             for w in works:
-                w.wait()
+                w.wait(self.timeout)
+        fault_point("pipeline.recv:after")
         if self.recorder is not None:
             self.recorder.wait(msg, t0, time.perf_counter())
         return tensors
@@ -138,12 +152,14 @@ class Transport:
         works, _, msg, peer = entry
         with comm.failures_named(TRANSFER, self.pg, ("sending", msg), peer):
             for w in works:
-                w.wait()
+                w.wait(self.timeout)
 
     def finish(self) -> None:
         """Complete every open send (end of a step); receives must all have been consumed."""
+        fault_point("pipeline.finish:before")
         while self._sends:
             self._wait_send(self._sends.popleft())
+        fault_point("pipeline.finish:after")
         if self._recvs:
             left = ", ".join(map(str, self._recvs))
             self._recvs.clear()
