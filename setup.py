@@ -158,8 +158,10 @@ setup(
     name="pyfused",
     version="0.1.0",
     description="Fused collective-compute ops for PyTorch (GEMMs overlapped with collectives)",
-    packages=find_packages(include=["pyfused", "pyfused.*"]) + ["pyfused.kernels", "pyfused.benchmarks"],
-    package_dir={"pyfused.kernels": "kernels", "pyfused.benchmarks": "benchmarks"},
+    # the bench suites live in benchmarks/ at the top and install as pyfused.benchmarks
+    packages=find_packages(include=["pyfused", "pyfused.*"], exclude=["pyfused.benchmarks"])
+    + ["pyfused.benchmarks"],
+    package_dir={"pyfused.benchmarks": "benchmarks"},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "packaging"],
     extras_require={

@@ -1,4 +1,5 @@
-"""Benchmark of the persistent Triton GEMM (kernels/gemm.py) against torch.matmul, single device.
+"""Benchmark of the persistent Triton GEMM (pyfused/kernels/gemm.py) against torch.matmul, single
+device.
 
 Shapes: Llama-3 70B at TP=8, per rank, B as the nn.Linear weight [N, K] (K x N below):
 attn.qkv 8192 x 1280, attn.out 1024 x 8192, mlp.gate_up 8192 x 7168, mlp.down 3584 x 8192, for
@@ -75,8 +76,8 @@ def _shapes(ctx: BenchContext):
 
 def _triton_variants(a, w, out, dtype):
     """name -> (launch, result): ``result()`` is the product the launch just computed."""
-    from pyfused.ops.gemm import gemm, plan_gemm
-    from pyfused.ops.reduce import PointerTable
+    from pyfused.kernels.gemm_launch import gemm, plan_gemm
+    from pyfused.kernels.reduce_launch import PointerTable
 
     m, n = out.shape
     dev = a.device

@@ -1,4 +1,5 @@
-"""Benchmark of the multi-source reduce + residual + RMSNorm (kernels/reduce.py), single device.
+"""Benchmark of the multi-source reduce + residual + RMSNorm (pyfused/kernels/reduce.py), single
+device.
 
 The all-reduce + residual + RMSNorm step of a TP transformer block, with the P ranks' partial sums
 standing in as P local buffers: hidden 8192 (Llama-3 70B), M in {2048, 8192} tokens ({2048} with
@@ -52,7 +53,7 @@ def _copy_row(ctx: BenchContext, dtype: torch.dtype):
 
 
 def run(ctx: BenchContext) -> List[dict]:
-    from pyfused.ops.reduce import PointerTable, multi_source_reduce, reduce_ref
+    from pyfused.kernels.reduce_launch import PointerTable, multi_source_reduce, reduce_ref
 
     dtype, dev = ctx.dtype, ctx.device
     on_gpu = dev.type == "cuda"

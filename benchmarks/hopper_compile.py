@@ -10,7 +10,7 @@ tests/test_hopper_compile.py runs it in CI and fails on any compile error, spill
 
 How. Triton's active driver is swapped for one that reports a device of the target's capability, so
 nothing needs CUDA. Each variant (benchmarks/hopper_variants.py) calls its real launcher
-(``pyfused.ops.gemm.gemm``, ``pyfused.ops.reduce.multi_source_reduce``,
+(``pyfused.kernels.gemm_launch.gemm``, ``pyfused.kernels.reduce_launch.multi_source_reduce``,
 ``pyfused.dp.bucket_copy.flatten_scale`` / ``unflatten_scale``) on CPU tensors, with the kernel
 replaced by a recorder; the recorded launch is then compiled with ``kernel.warmup(*args, **kwargs)``.
 The specializations compiled are therefore exactly the launcher's: its config choice (the chooser
@@ -107,9 +107,9 @@ def recorded_launches(cc: int):
     import pyfused.kernels.bucket as kbucket
     import pyfused.kernels.gemm as kgemm
     import pyfused.kernels.gemm_configs as kconfigs
+    import pyfused.kernels.gemm_launch as gemm_launch
     import pyfused.kernels.reduce as kreduce
-    import pyfused.ops.gemm as ops_gemm
-    import pyfused.ops.reduce as ops_reduce
+    import pyfused.kernels.reduce_launch as reduce_launch
 
     launches: list = []
     with contextlib.ExitStack() as stack:
@@ -117,7 +117,7 @@ def recorded_launches(cc: int):
                              (kbucket, "segment_copy_scale_kernel")):
             recorder = _Recorder(getattr(module, name), launches)
             stack.enter_context(mock.patch.object(module, name, recorder))
-        for module in (ops_gemm, ops_reduce):
+        for module in (gemm_launch, reduce_launch):
             stack.enter_context(mock.patch.object(module, "check_backend", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(kconfigs, "arch_of", lambda device: hv.ARCH[cc]))
         yield launches

@@ -7,10 +7,10 @@ memory is never touched: hopper_compile records the launch instead of running it
 from the launchers' own choosers, asked for the variant's target arch; ``uncovered_configs`` lists
 any config a chooser can return that no variant reaches, and the compile test fails on it.
 
-Kernels: ``persistent_gemm_kernel`` (kernels/gemm.py, launcher pyfused.ops.gemm.gemm),
-``multi_source_reduce_kernel`` (kernels/reduce.py, pyfused.ops.reduce.multi_source_reduce),
-``segment_copy_scale_kernel`` (kernels/bucket.py, pyfused.dp.bucket_copy). The only other
-``@triton.jit`` in the project, the interpreter probe of pyfused/ops/reduce.py, runs only under
+Kernels (in pyfused/kernels/): ``persistent_gemm_kernel`` (gemm.py, launcher ``gemm_launch.gemm``),
+``multi_source_reduce_kernel`` (reduce.py, ``reduce_launch.multi_source_reduce``),
+``segment_copy_scale_kernel`` (bucket.py, launcher pyfused.dp.bucket_copy). The only other
+``@triton.jit`` in the project, the interpreter probe of reduce_launch.py, runs only under
 TRITON_INTERPRET and is never compiled for a GPU.
 """
 from __future__ import annotations
@@ -119,8 +119,8 @@ def gemm_variants(cc: int) -> List[Variant]:
 
 
 def launch_gemm(v: Variant) -> None:
-    from pyfused.ops.gemm import gemm
-    from pyfused.ops.reduce import PointerTable
+    from pyfused.kernels.gemm_launch import gemm
+    from pyfused.kernels.reduce_launch import PointerTable
 
     m, n, k = v.shape
     dt, tf32 = DTYPES[v.dtype], v.dtype == "tf32"
@@ -190,7 +190,7 @@ def chosen_reduce_config(v: Variant):
 
 
 def launch_reduce(v: Variant) -> None:
-    from pyfused.ops.reduce import PointerTable, multi_source_reduce
+    from pyfused.kernels.reduce_launch import PointerTable, multi_source_reduce
 
     m, n, p = v.shape
     dt = DTYPES[v.dtype]

@@ -17,7 +17,7 @@ def _interpreter_problem():
     device's versions). CI runs these tests."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "needs the Triton interpreter (TRITON_INTERPRET=1, set on machines without CUDA); CI runs it"
-    from pyfused.ops.reduce import interpreter_problem
+    from pyfused.kernels.reduce_launch import interpreter_problem
 
     why = interpreter_problem()
     return f"{why}; CI runs it" if why else None

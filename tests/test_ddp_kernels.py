@@ -1,4 +1,5 @@
-"""The bucket copy kernel (kernels/bucket.py) against its torch reference, and the bucket layout.
+"""The bucket copy kernel (pyfused/kernels/bucket.py) against its torch reference, and the bucket
+layout.
 
 On CPU the kernel runs in the Triton interpreter (conftest sets TRITON_INTERPRET=1); it truncates
 fp32 -> bf16/fp16 where the GPU rounds to nearest even, so low-precision outputs may differ by one

@@ -246,7 +246,7 @@ def test_kernel_argument_checks_and_meta():
 def test_timeout_watch_reports_a_wait_that_gave_up():
     """The deferred check of the Triton kernels' status words (CUDA-only in use; stub events here)."""
     from pyfused.fused.gemm_collectives import TimeoutWatch
-    from pyfused.ops.reduce import WaitTimeout
+    from pyfused.kernels.reduce_launch import WaitTimeout
 
     class Done:
         def query(self):
@@ -308,7 +308,7 @@ def test_fused_timeout_is_wall_clock(monkeypatch):
     """PYFUSED_FUSED_TIMEOUT_MS bounds every fused wait in milliseconds (the Triton kernels get it in
     ns, read against %globaltimer), 0 = forever, capped at 10^9 ms."""
     from pyfused.fused import config
-    from pyfused.ops.reduce import timeout_ns
+    from pyfused.kernels.reduce_launch import timeout_ns
 
     monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", "30000")
     assert timeout_ns(config.timeout_ms()) == 30 * 10**9

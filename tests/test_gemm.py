@@ -1,4 +1,4 @@
-"""The persistent Triton GEMM (kernels/gemm.py via pyfused.ops.gemm).
+"""The persistent Triton GEMM (pyfused/kernels/gemm.py via pyfused.kernels.gemm_launch).
 
 On CPU the kernel runs in the Triton interpreter (conftest sets TRITON_INTERPRET=1): fp32 and fp16,
 flags pre-set (programs run one after another, nothing could set a flag during the launch). bf16
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pyfused.kernels.gemm_configs import GemmConfig, NOMINAL_SMS, choose_gemm_config
-from pyfused.ops.gemm import gemm, gemm_ref, plan_gemm
-from pyfused.ops.reduce import PointerTable, WaitTimeout
+from pyfused.kernels.gemm_launch import gemm, gemm_ref, plan_gemm
+from pyfused.kernels.reduce_launch import PointerTable, WaitTimeout
 from tests.utils import assert_close
 
 CPU_DTYPES = (torch.float32, torch.float16)

@@ -1,4 +1,5 @@
-"""The GEMM launcher (pyfused/ops/gemm.py) on 16-bit CPU tensors, in the Triton interpreter.
+"""The GEMM launcher (pyfused/kernels/gemm_launch.py) on 16-bit CPU tensors, in the Triton
+interpreter.
 
 The interpreter's bf16 ``tl.dot`` multiplies raw bit patterns (values around 1e11); the launcher
 hands bf16 operands to the kernel as fp32 copies there. These tests compare bf16 and fp16 GEMMs with
@@ -11,7 +12,7 @@ combined in a few calls rather than crossed.
 import pytest
 import torch
 
-from pyfused.ops.gemm import gemm, gemm_ref, plan_gemm
+from pyfused.kernels.gemm_launch import gemm, gemm_ref, plan_gemm
 from tests.utils import assert_close
 
 pytestmark = pytest.mark.interpreter
@@ -69,7 +70,7 @@ def test_compiled_launches_keep_bf16_operands(monkeypatch):
     """Only interpreted launches get fp32 copies: a launch of CPU tensors that is compiled for a
     GPU target instead (benchmarks/hopper_compile.py records them) stays bf16."""
     import pyfused.kernels.gemm as kernels
-    import pyfused.ops.gemm as launcher
+    import pyfused.kernels.gemm_launch as launcher
 
     seen = {}
 

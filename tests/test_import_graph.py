@@ -1,10 +1,8 @@
-"""Imports run one way: layers -> ops -> fused -> kernels/comm, and tune -> bench -> ops.
+"""Imports run one way: layers -> ops -> fused -> kernels -> comm, and tune -> bench -> ops.
 
-Every import statement in pyfused's layers, ops, fused, tune and bench packages, lazy ones inside
-functions included, is an edge between those packages; so is each op registry entry's ``fused``
-(the ops import their fused implementations by that name). The modules of ``pyfused/ops/`` named
-after a file of ``kernels/`` (``gemm.py``, ``reduce.py``) are the launchers of its Triton kernels
-and count as the kernel layer.
+Every import statement in pyfused's layers, ops, fused, kernels, tune and bench packages, lazy ones
+inside functions included, is an edge between those packages; so is each op registry entry's
+``fused`` (the ops import their fused implementations by that name).
 The test fails on any cycle and on any edge the layering does not allow, and on any library import
 of ``pyfused.benchmarks`` (the suites depend on the library, never the other way).
 """
@@ -15,18 +13,12 @@ import pyfused
 from pyfused.ops.registry import OPS
 
 ROOT = Path(pyfused.__file__).parent
-PACKAGES = ("layers", "ops", "fused", "tune", "bench")
-# The launchers of kernels/<family>.py: the ops' modules named after a kernel file.
-KERNEL_LAUNCHERS = tuple(f"pyfused.ops.{path.stem}"
-                         for path in sorted((ROOT / "kernels").glob("[!_]*.py"))
-                         if (ROOT / "ops" / path.name).exists())
+PACKAGES = ("layers", "ops", "fused", "kernels", "tune", "bench")
 ALLOWED = {("layers", "ops"), ("ops", "fused"), ("ops", "kernels"), ("fused", "kernels"),
            ("ops", "tune"), ("tune", "bench"), ("tune", "ops"), ("bench", "ops")}
 
 
 def _node(module: str):
-    if module.startswith(KERNEL_LAUNCHERS) or module.startswith("pyfused.kernels"):
-        return "kernels"
     parts = module.split(".")
     if len(parts) > 1 and parts[0] == "pyfused" and parts[1] in PACKAGES:
         return parts[1]

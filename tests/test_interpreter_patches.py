@@ -131,7 +131,7 @@ def test_bf16_dot_multiplies_values(patched):
 def test_the_installed_triton_still_multiplies_bf16_bit_patterns():
     """Why workaround 3 exists (and the launcher's fp32 copies of bf16 operands on CPU): without
     it, this Triton's bf16 dot is wrong. If this fails, Triton fixed it: drop the workaround."""
-    from pyfused.ops.gemm import interpreter_bf16_dot_problem
+    from pyfused.kernels.gemm_launch import interpreter_bf16_dot_problem
     from pyfused.testing.interpreter import thread_safe_interpreter
 
     assert "instead of 16" in (interpreter_bf16_dot_problem() or "")
@@ -167,12 +167,12 @@ def _triton_state():
 def test_everything_is_undone_on_exit():
     """After the block Triton is as it was and launches are serialized again; the block is not
     re-entrant."""
-    from pyfused.ops import reduce
+    from pyfused.kernels import reduce_launch
     from pyfused.testing.interpreter import thread_safe_interpreter
 
     before = _triton_state()
     with thread_safe_interpreter():
-        assert reduce.interpreter_launches_concurrent()
+        assert reduce_launch.interpreter_launches_concurrent()
         with pytest.raises(RuntimeError, match="not re-entrant"):
             with thread_safe_interpreter():
                 pass
@@ -180,8 +180,8 @@ def test_everything_is_undone_on_exit():
         kernel[(2,)](torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                      torch.zeros(4, dtype=torch.int32), SPINS)
     assert _triton_state() == before
-    assert not reduce.interpreter_launches_concurrent()
-    assert reduce.serialized(torch.device("cpu")) is reduce._INTERPRETER_LOCK
+    assert not reduce_launch.interpreter_launches_concurrent()
+    assert reduce_launch.serialized(torch.device("cpu")) is reduce_launch._INTERPRETER_LOCK
 
 
 @pytest.mark.parametrize("workaround", ["program_ids", "language", "bf16_dot", "observer"])
@@ -211,8 +211,8 @@ def test_moved_internals_fail_loudly(monkeypatch, workaround):
 def test_bf16_waiting_gemm_refused_where_concurrent_writers_need_the_patch():
     """Under concurrent launches a waiting bf16 GEMM cannot copy a at launch (peers still write
     it): without workaround 3 the launcher refuses it rather than multiply bit patterns."""
-    from pyfused.ops.gemm import gemm
-    from pyfused.ops.reduce import concurrent_interpreter_launches
+    from pyfused.kernels.gemm_launch import gemm
+    from pyfused.kernels.reduce_launch import concurrent_interpreter_launches
 
     a = torch.ones(4, 8, dtype=torch.bfloat16)
     with concurrent_interpreter_launches():

@@ -1,5 +1,5 @@
-"""The multi-source reduce with residual / RMSNorm epilogues (kernels/reduce.py via
-pyfused.ops.reduce).
+"""The multi-source reduce with residual / RMSNorm epilogues (pyfused/kernels/reduce.py via
+pyfused.kernels.reduce_launch).
 
 On CPU the kernel runs in the Triton interpreter with sources given as a pointer table of CPU
 tensors (the interpreter dereferences the raw host addresses; ``test_pointer_table_*`` pins that
@@ -15,7 +15,7 @@ import torch
 from pyfused.kernels.reduce_configs import (
     MAX_NORM_HIDDEN, MAX_NORM_HIDDEN_FP32, ReduceConfig, choose_reduce_config,
 )
-from pyfused.ops.reduce import PointerTable, WaitTimeout, multi_source_reduce, reduce_ref
+from pyfused.kernels.reduce_launch import PointerTable, WaitTimeout, multi_source_reduce, reduce_ref
 from tests.utils import assert_close
 
 CPU_DTYPES = (torch.float32, torch.float16)
@@ -152,7 +152,7 @@ def test_broken_interpreter_is_named_not_hit(monkeypatch):
     """The interpreter probe passes here (else every CPU kernel test would fail with it), and a
     broken one (triton 3.6 + numpy >= 2.4, seen on the device's versions) stops a launch with the
     probe's reason instead of a TypeError from deep inside the interpreter."""
-    from pyfused.ops import reduce as reduce_mod
+    from pyfused.kernels import reduce_launch as reduce_mod
 
     assert reduce_mod.interpreter_problem() is None
     monkeypatch.setattr(reduce_mod, "interpreter_problem", lambda: "interpreter is broken: probe")
@@ -163,7 +163,7 @@ def test_broken_interpreter_is_named_not_hit(monkeypatch):
 def test_interpreter_tests_are_skipped_where_it_cannot_run(monkeypatch):
     """Tests marked ``interpreter`` are skipped, with the reason, on a machine with CUDA (no
     TRITON_INTERPRET) and where the probe fails (the device's triton 3.6 + numpy 2.5)."""
-    from pyfused.ops import reduce as reduce_mod
+    from pyfused.kernels import reduce_launch as reduce_mod
     from tests.conftest import _interpreter_problem
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -190,8 +190,8 @@ def test_persistent_grid_covers_every_tile(programs):
         multi_source_reduce(srcs, num_programs=0)
 
 def test_config_choice():
-    """The chooser's rules (kernels/reduce_configs.py): a whole row per tile with RMSNorm, fp32
-    sources take half a step on a GPU, at most 32 elements per thread (32 warps for 32768), and
+    """The chooser's rules (pyfused/kernels/reduce_configs.py): a whole row per tile with RMSNorm,
+    fp32 sources take half a step on a GPU, at most 32 elements per thread (32 warps for 32768), and
     the longest row depends on the sources' element size."""
     def cfg(n, dtype, arch="sm_90", rmsnorm=True):
         return choose_reduce_config(8192, n, 8, dtype, arch, 8, rmsnorm=rmsnorm)

@@ -10,12 +10,12 @@
   * ``fused_all_reduce_add_rmsnorm``: the epilogue runs in the all-reduce kernel itself, so h never
     makes an extra round trip through memory before the norm.
 
-Why the epilogue is in the CUDA kernel rather than kernels/reduce.py's Triton reduce: the all-reduce
-needs barriers across ranks at its start (every x written) and end (nobody still reads this buffer),
-which the Triton reduce does not have (it waits on per-chunk data flags that a producer sets); one
-launch with both barriers and the epilogue is the lowest latency for the sizes this op serves
-(decode/prefill activations, 8 KB - a few MB). The Triton reduce is used where per-chunk flags exist:
-the owner side of GEMM + reduce-scatter (gemm_collectives.py).
+Why the epilogue is in the CUDA kernel rather than pyfused/kernels/reduce.py's Triton reduce: the
+all-reduce needs barriers across ranks at its start (every x written) and end (nobody still reads
+this buffer), which the Triton reduce does not have (it waits on per-chunk data flags that a
+producer sets); one launch with both barriers and the epilogue is the lowest latency for the sizes
+this op serves (decode/prefill activations, 8 KB - a few MB). The Triton reduce is used where
+per-chunk flags exist: the owner side of GEMM + reduce-scatter (gemm_collectives.py).
 
 Numerics (the same on every rank, and for both algorithms): h = round(sum_{p=0..W-1} x_p + residual)
 with fp32 accumulation in rank order, then the norm over the rounded h -- see csrc/allreduce.cpp.

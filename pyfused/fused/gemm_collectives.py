@@ -13,10 +13,10 @@ all-gather + GEMM (``fused_all_gather_matmul``), a: this rank's shard [m, K], ou
      the shard into q's buffer rows [r*m, (r+1)*m) -- a device-to-device copy into mapped peer
      memory, i.e. the copy engine -- then ``signal_flag`` q's flag r (fence + release at system
      scope, after the copy in stream order);
-  3. the persistent Triton GEMM (kernels/gemm.py, WAIT mode) over the gathered buffer, chunk c = the
-     shard of rank c, in the order r, r-1, r-2, ... -- local data first, then the peers' chunks in
-     the order their pushes land (step i of every rank s pushes to s+i, so r receives r-i) -- each
-     as soon as its flag says it landed (acquire at system scope in the kernel).
+  3. the persistent Triton GEMM (pyfused/kernels/gemm.py, WAIT mode) over the gathered buffer, chunk
+     c = the shard of rank c, in the order r, r-1, r-2, ... -- local data first, then the peers'
+     chunks in the order their pushes land (step i of every rank s pushes to s+i, so r receives r-i)
+     -- each as soon as its flag says it landed (acquire at system scope in the kernel).
 GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   1. the persistent GEMM with chunk c = the rows rank c owns, computed in the order r+1, r+2, ...,
      r (own chunk last), SCATTER mode: chunk c is stored into slot r of rank c's buffer; SIGNAL mode
@@ -24,8 +24,8 @@ GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   2. on the comm stream, beside the GEMM, for each peer's chunk c in the same order: ``wait_flag``
      until its counter is complete, then ``signal_flag`` flag r of rank c; the own flag r is set on
      the compute stream after the GEMM;
-  3. the owner's multi-source reduce (kernels/reduce.py) sums its W slots in rank order, waiting per
-     slot on flag s (source s wrote it).
+  3. the owner's multi-source reduce (pyfused/kernels/reduce.py) sums its W slots in rank order,
+     waiting per slot on flag s (source s wrote it).
   The relay's one-thread kernels need an SM while this rank's GEMM and then its reduce spin on SMs:
   both are persistent and capped at ``config.grid_budget`` programs (the device's SMs less
   ``config.RELAY_SMS``, or the virtual rank's share), so spinning programs never hold every SM's
@@ -68,8 +68,8 @@ from ..comm.flags import signal_flag, wait_flag
 from ..comm.group import rank as group_rank
 from ..comm.group import resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
-from ..ops.gemm import describe_gemm_timeout, gemm, plan_gemm
-from ..ops.reduce import (
+from ..kernels.gemm_launch import describe_gemm_timeout, gemm, plan_gemm
+from ..kernels.reduce_launch import (
     PointerTable, WaitTimeout, describe_reduce_timeout, interpreter_launches_concurrent,
     multi_source_reduce, new_status,
 )
@@ -78,11 +78,11 @@ from . import config
 
 class TimeoutWatch:
     """The Triton kernels' bounded waits, reported without a host sync. A wait that gives up writes
-    a code into its launch's status word and the kernel goes on (kernels/gemm.py "No hang"); on CUDA
-    the launcher cannot look without synchronizing. So each launch's status is copied to pinned
-    host memory behind an event, and every later fused call checks -- without blocking -- those
-    whose event has completed, raising ``WaitTimeout`` for one that timed out (a late but loud error
-    instead of a silently wrong result). ``check(sync=True)`` waits for all of them."""
+    a code into its launch's status word and the kernel goes on (pyfused/kernels/gemm.py "No hang");
+    on CUDA the launcher cannot look without synchronizing. So each launch's status is copied to
+    pinned host memory behind an event, and every later fused call checks -- without blocking --
+    those whose event has completed, raising ``WaitTimeout`` for one that timed out (a late but loud
+    error instead of a silently wrong result). ``check(sync=True)`` waits for all of them."""
 
     def __init__(self) -> None:
         self.pending: Deque[Tuple[torch.cuda.Event, Tensor, Callable[[int], str], str]] = deque()

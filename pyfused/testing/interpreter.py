@@ -1,11 +1,12 @@
 """The Triton interpreter made safe for launches from several threads at once.
 
 The stock interpreter (``TRITON_INTERPRET=1``) assumes one launch at a time: pyfused's launchers
-serialize CPU launches (``pyfused.ops.reduce.serialized``), so a kernel that waits on a flag can
-only see flags set before it started. ``thread_safe_interpreter()`` applies three workarounds and
-lets the launchers run concurrently (``pyfused.ops.reduce.concurrent_interpreter_launches``), so W
-threads can each launch the project's kernels while the others' set the flags they wait on -- the
-real cross-rank protocol on CPU (``pyfused.testing.threaded_ranks``).
+serialize CPU launches (``pyfused.kernels.reduce_launch.serialized``), so a kernel that waits on a
+flag can only see flags set before it started. ``thread_safe_interpreter()`` applies three
+workarounds and lets the launchers run concurrently
+(``pyfused.kernels.reduce_launch.concurrent_interpreter_launches``), so W threads can each launch
+the project's kernels while the others' set the flags they wait on -- the real cross-rank protocol
+on CPU (``pyfused.testing.threaded_ranks``).
 
 The workarounds are for ``triton/runtime/interpreter.py`` of triton 3.8.0 (installed in CI) and
 3.6.0 (the GPU machines' version; the tests pass with it, torch 2.11 and numpy 2.3). Each checks
@@ -201,8 +202,9 @@ def widened_bf16_dot() -> Iterator[None]:
 def observed_spins(on_spin: Callable[[], None]) -> Iterator[None]:
     """Inside the block, ``on_spin()`` runs in the launching thread whenever one of its kernels
     makes two atomics in a row on one address, both with acquire semantics: a poll of a flag that
-    was not set at the previous poll. (Each wait of kernels/gemm.py's ``wait_flag`` starts with a
-    relaxed read of the status word, so consecutive waits on one flag that is set do not count.)"""
+    was not set at the previous poll. (Each wait of pyfused/kernels/gemm.py's ``wait_flag`` starts
+    with a relaxed read of the status word, so consecutive waits on one flag that is set do not
+    count.)"""
     interp = _interpreter()
     cls = _require(interp, "InterpreterBuilder")
     rmw = _require(cls, "create_atomic_rmw", "method")
@@ -239,7 +241,7 @@ def thread_safe_interpreter() -> Iterator[None]:
     """Inside the block, interpreted launches may run from several threads at once (all three
     workarounds applied, the launchers' serialization lifted); everything is undone on exit. Not
     re-entrant: one harness at a time."""
-    from pyfused.ops.reduce import concurrent_interpreter_launches
+    from pyfused.kernels.reduce_launch import concurrent_interpreter_launches
 
     if not _active.acquire(blocking=False):
         raise RuntimeError("thread_safe_interpreter() is already active (it is not re-entrant)")

@@ -35,10 +35,10 @@ from torch import Tensor
 from ..comm.symmetric import SymmetricBuffer
 from ..fused import config
 from ..fused.virtual_cases import Inputs, cases
+from ..kernels.gemm_launch import gemm, plan_gemm
+from ..kernels.reduce_launch import PointerTable, chunk_rows_of, multi_source_reduce
 from ..ops.all_reduce_add_rmsnorm import SAMPLE_EPS as EPS  # the cases' eps
 from ..ops.registry import OPS
-from ..ops.gemm import gemm, plan_gemm
-from ..ops.reduce import PointerTable, chunk_rows_of, multi_source_reduce
 from .threaded_ranks import NO_FAULTS, Faults, RankView, run_ranks
 
 CPU = torch.device("cpu")

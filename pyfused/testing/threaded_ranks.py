@@ -37,7 +37,7 @@ from torch import Tensor
 from ..comm.group import rank as group_rank
 from ..comm.group import world_size
 from ..comm.symmetric import SymmetricBuffer
-from ..ops.reduce import WaitTimeout, new_status
+from ..kernels.reduce_launch import WaitTimeout, new_status
 
 # Polls a wait makes before it gives up. A poll of the interpreter costs 0.1-3 ms (by machine
 # load); a legitimate wait lasts as long as the peers need to reach their flag writes: at most a few

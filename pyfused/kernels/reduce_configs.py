@@ -1,6 +1,6 @@
-"""Launch configs of the multi-source reduce (kernels/reduce.py), as data.
+"""Launch configs of the multi-source reduce (reduce.py), as data.
 
-A pure function of ``(rows, hidden, sources, dtype, arch)``, like the GEMM's (kernels/gemm_configs.py);
+A pure function of ``(rows, hidden, sources, dtype, arch)``, like the GEMM's (gemm_configs.py);
 the reduce has no cross-rank contract (it signals nothing), but deterministic choices keep runs
 comparable. Values are starting points for a bandwidth-bound row kernel (16-byte vectors, 8-16K
 fp32 accumulators per program); none has been measured in this repository yet.

@@ -1,8 +1,8 @@
 """Persistent tiled GEMM with per-chunk wait / signal flags and scattered output.
 
 Computes ``C = A @ B (+ bias)``, accumulating in fp32, for fp16/bf16 (tensor cores) or fp32 inputs
-(exact "ieee" or "tf32" products). The launcher and the fp32 reference are in pyfused/ops/gemm.py;
-launch configs are in kernels/gemm_configs.py.
+(exact "ieee" or "tf32" products). The launcher and the fp32 reference are in gemm_launch.py;
+launch configs are in gemm_configs.py.
 
 Layout
   A [M, K] and B [K, N] are addressed through their strides, so B may be an nn.Linear weight
@@ -41,7 +41,7 @@ Wait (consumer half of all-gather + GEMM), WAIT=True
   in inline PTX; WALL_CLOCK=True), or after ``spin_limit`` polls in the interpreter; the program
   then records ``1 + c`` in ``status[0]`` (first timeout wins, atomic compare-and-swap) and
   computes the tile from whatever A holds; every later tile of every program sees ``status[0] != 0`` and stops waiting. The launcher
-  turns a non-zero status into an error (``pyfused.ops.gemm.raise_on_timeout``).
+  turns a non-zero status into an error (``pyfused.kernels.gemm_launch.raise_on_timeout``).
 
 Signal (producer half of GEMM + reduce-scatter / all-reduce), SIGNAL=True
   After a tile of chunk c is stored, the program passes a barrier (every thread's stores of the tile

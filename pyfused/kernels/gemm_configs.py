@@ -1,11 +1,11 @@
-"""Launch configs of the persistent GEMM (kernels/gemm.py), as data.
+"""Launch configs of the persistent GEMM (gemm.py), as data.
 
 The config of a call is a pure function of ``(shape, dtype, arch)``: ``choose_gemm_config`` reads a
 fixed table for the device's architecture and picks between a large and a medium tile by a
 wave-quantization rule that uses the *nominal* SM count of the architecture (never the runtime
 count, never a timing). So every rank of a tensor-parallel group with the same GPU model picks the
 same tile shape, and therefore the same number of output tiles per chunk -- the count a consumer of
-the ``signal`` counters waits for (see ``pyfused.ops.gemm.plan_gemm``).
+the ``signal`` counters waits for (see ``pyfused.kernels.gemm_launch.plan_gemm``).
 
 The table's entries are starting points taken from the usual Triton GEMM configs for these
 architectures (the Triton matmul tutorials' sm_80 / sm_90 sets); none has been measured in this

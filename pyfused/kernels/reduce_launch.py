@@ -1,4 +1,4 @@
-"""Launcher of the multi-source reduce (kernels/reduce.py), its fp32 reference, and the pieces the
+"""Launcher of the multi-source reduce (reduce.py), its fp32 reference, and the pieces the
 fused kernels share: pointer tables, chunk layout, the timeout status.
 
 ``multi_source_reduce(sources, residual=..., weight=..., residual_out=...)`` is the all-reduce +
@@ -24,11 +24,11 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-# Polls of a flag before a wait gives up (see kernels/gemm.py "No hang"). One acquire poll of a flag
+# Polls of a flag before a wait gives up (see gemm.py "No hang"). One acquire poll of a flag
 # costs on the order of a microsecond on current GPUs, so this is about a minute: far longer than
 # any legitimate skew between ranks, finite so that a lost flag fails instead of hanging forever.
 DEFAULT_SPIN_LIMIT = 1 << 26
-# On a GPU the waits are bounded in wall-clock time instead (kernels/gemm.py "No hang"); 0 = forever.
+# On a GPU the waits are bounded in wall-clock time instead (gemm.py "No hang"); 0 = forever.
 DEFAULT_TIMEOUT_MS = 60_000
 SCOPES = ("gpu", "sys")
 
@@ -330,7 +330,7 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
                         timeout_ms: int = DEFAULT_TIMEOUT_MS, flag_scope: str = "sys", config=None,
                         num_programs: Optional[int] = None) -> Tensor:
     """``out = sum_p sources[p] (+ residual)``, then RMSNorm with ``weight`` if given; see
-    kernels/reduce.py for the math and the memory ordering.
+    reduce.py for the math and the memory ordering.
 
     sources: P tensors [M, N] (same dtype/strides, unit column stride) or a ``PointerTable``. A list
       is turned into a table on every call (a host-to-device copy of P addresses, which a CUDA graph
@@ -347,12 +347,13 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
       SMs to kernels that must run beside a waiting reduce.
     Returns ``out`` (allocated like the sources if not given).
     """
-    from pyfused.kernels.reduce import multi_source_reduce_kernel
-    from pyfused.kernels.gemm_configs import arch_of
-    from pyfused.kernels.reduce_configs import choose_reduce_config
+    from .reduce import multi_source_reduce_kernel
+    from .gemm_configs import arch_of
+    from .reduce_configs import choose_reduce_config
 
     table = _as_table(sources)
-    check_backend(table.device, multi_source_reduce_kernel, "pyfused.ops.reduce.multi_source_reduce")
+    check_backend(table.device, multi_source_reduce_kernel,
+                  "pyfused.kernels.reduce_launch.multi_source_reduce")
     out = _check_reduce_tensors(table, out, residual, residual_out, weight)
     (m, n), device, p = table.shape, table.device, len(table)
     chunk_rows = chunk_rows_of(m, num_chunks)

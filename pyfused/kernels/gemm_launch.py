@@ -1,4 +1,4 @@
-"""Launcher of the persistent Triton GEMM (kernels/gemm.py) and its fp32 reference ``gemm_ref``.
+"""Launcher of the persistent Triton GEMM (gemm.py) and its fp32 reference ``gemm_ref``.
 
 ``gemm(a, b, bias)`` is ``a @ b + bias`` (fp32 accumulation) with the options the fused collective
 ops build on, each off by default:
@@ -11,7 +11,7 @@ ops build on, each off by default:
 
 Config choice and ranks. The tile shape sets how many tiles a chunk has, which is the count a peer
 waits for, so every rank must use the same one. The default config is a pure function of
-``(shape, dtype, arch)`` (kernels/gemm_configs.py); ``plan_gemm`` exposes it (and the tile counts)
+``(shape, dtype, arch)`` (gemm_configs.py); ``plan_gemm`` exposes it (and the tile counts)
 so the other side of a signal computes the same numbers. ``autotune=True`` picks a config by timing
 on *this* process, which ranks could resolve differently; it is therefore allowed only for a plain
 GEMM (no wait, signal, scatter or chunking) and refused for collective use. A tuned config meant for
@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .reduce import (
+from .reduce_launch import (
     DEFAULT_SPIN_LIMIT, DEFAULT_TIMEOUT_MS, PointerTable, check_backend, check_flags,
     check_wait_args, check_scope, chunk_order_tensor, chunk_rows_of,
     interpreter_launches_concurrent, new_status, raise_on_timeout, serialized, timeout_ns,
@@ -73,7 +73,7 @@ class GemmPlan:
 def plan_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
               num_chunks: int = 1, config=None, allow_tf32: bool = False) -> GemmPlan:
     """The config and tile counts ``gemm`` uses for these arguments (deterministic; see module doc)."""
-    from pyfused.kernels.gemm_configs import arch_of, choose_gemm_config
+    from .gemm_configs import arch_of, choose_gemm_config
 
     chunk_rows = chunk_rows_of(m, num_chunks)
     cfg = config or choose_gemm_config(m, n, k, dtype, arch_of(torch.device(device)), num_chunks,
@@ -94,8 +94,8 @@ def _autotuned_kernel(arch: str, dtype: torch.dtype, allow_tf32: bool):
     """``triton.autotune`` over the table's candidates, for the plain GEMM only (module docstring)."""
     import triton
 
-    from pyfused.kernels.gemm import persistent_gemm_kernel
-    from pyfused.kernels.gemm_configs import autotune_candidates, dtype_class
+    from .gemm import persistent_gemm_kernel
+    from .gemm_configs import autotune_candidates, dtype_class
 
     key = (arch, dtype_class(dtype, allow_tf32))
     if key not in _autotuned:
@@ -148,10 +148,11 @@ def _interpreter_dot_operands(a: Tensor, b: Tensor, wait: bool) -> Tuple[Tensor,
     if wait and interpreter_launches_concurrent():
         problem = interpreter_bf16_dot_problem()
         if problem:
-            raise RuntimeError(f"pyfused.ops.gemm.gemm: a bf16 GEMM that waits on flags set by "
-                               f"concurrent launches reads a as it arrives, so it cannot take an "
-                               f"fp32 copy of it at the launch, and {problem} (pyfused/testing/"
-                               f"interpreter.py widens bf16 dots for the threaded-rank tests)")
+            raise RuntimeError(f"pyfused.kernels.gemm_launch.gemm: a bf16 GEMM that waits on "
+                               f"flags set by concurrent launches reads a as it arrives, so it "
+                               f"cannot take an fp32 copy of it at the launch, and {problem} "
+                               f"(pyfused/testing/interpreter.py widens bf16 dots for the "
+                               f"threaded-rank tests)")
         return a, b
     return a.float(), b.float()
 
@@ -252,12 +253,12 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     allow_tf32: fp32 inputs only; default ``torch.backends.cuda.matmul.allow_tf32``.
     Returns ``out``, or ``out_chunks`` when scattering.
     """
-    from pyfused.kernels.gemm import persistent_gemm_kernel
-    from pyfused.kernels.gemm_configs import NOMINAL_SMS
+    from .gemm import persistent_gemm_kernel
+    from .gemm_configs import NOMINAL_SMS
 
     m, n, k = _check_inputs(a, b, bias, b_layout)
     device = a.device
-    interpreted = check_backend(device, persistent_gemm_kernel, "pyfused.ops.gemm.gemm")
+    interpreted = check_backend(device, persistent_gemm_kernel, "pyfused.kernels.gemm_launch.gemm")
     if allow_tf32 is None:
         allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     allow_tf32 = allow_tf32 and a.dtype == torch.float32
@@ -324,7 +325,7 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
 
 
 def _launch_autotuned(args, flags, m, n, k, dtype, allow_tf32, device, num_programs) -> None:
-    from pyfused.kernels.gemm_configs import arch_of
+    from .gemm_configs import arch_of
 
     kernel = _autotuned_kernel(arch_of(device), dtype, allow_tf32)
 

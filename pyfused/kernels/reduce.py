@@ -18,7 +18,7 @@ Layout
   Sources are given as a table of P int64 addresses (``src_table``), all with the same row stride
   ``stride_src`` and unit column stride, all of ``out``'s element type. ALIGNED_SRC=True tells the
   compiler every address is 16-byte aligned (the launcher checks) so loads vectorize. Rows are split
-  into ``num_chunks`` chunks of ``chunk_rows = ceil(M / num_chunks)`` rows, as in kernels/gemm.py.
+  into ``num_chunks`` chunks of ``chunk_rows = ceil(M / num_chunks)`` rows, as in gemm.py.
 
 Schedule
   A tile is ``rows_per_prog`` rows of one chunk by BLOCK_N columns (a whole row with RMSNorm); tiles
@@ -31,7 +31,7 @@ Schedule
 Wait, WAIT=True
   Before reading source p in chunk c, the program spins (one thread, acquire at FLAG_SCOPE, bounded
   by ``spin_limit`` polls) until ``flags[p * flag_stride_p + c] >= expected`` and then passes a
-  CTA barrier, as in kernels/gemm.py's ``wait_flag`` (bounded by ``timeout_ns`` of wall-clock time on
+  CTA barrier, as in gemm.py's ``wait_flag`` (bounded by ``timeout_ns`` of wall-clock time on
   a GPU, by ``spin_limit`` polls in the interpreter): the writer of src_p's chunk c stores the data,
   then releases the flag; acquire + barrier order those stores before every load of the program.
   ``flag_stride_p = 0`` gives one flag per chunk for all sources, ``num_chunks`` gives one per
