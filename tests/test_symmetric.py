@@ -93,6 +93,36 @@ def test_gather_records_with_a_mock_gather():
     assert sm.gather_records(None, _record()) == [_record()]  # world 1: no collective
 
 
+def test_a_buffer_provider_serves_its_own_buffers():
+    """comm asks a group that is a ``BufferProvider`` for its buffers and its rank and size: no
+    exchange, and freeing one of its buffers waits for no peer."""
+    from pyfused import comm
+    from pyfused.comm.group import BufferProvider
+
+    class TwoRanksInOneList(BufferProvider):
+        def __init__(self, rank, allocs):
+            self.rank, self.world, self.group_name, self.allocs = rank, 2, f"pair/r{rank}", allocs
+            self.asked = []
+
+        def symmetric_buffer(self, data_bytes, device):
+            self.asked.append((data_bytes, device))
+            mapping = sm.Mapping(self.allocs[self.rank], list(self.allocs),
+                                 [t.data_ptr() for t in self.allocs])
+            return sm.SymmetricBuffer(self, data_bytes, device, "provided", mapping,
+                                      (self.group_name, str(device), "provided", data_bytes))
+
+    allocs = [torch.zeros(sm.MIN_SIZE_CLASS + sm.PAD_BYTES, dtype=torch.uint8) for _ in range(2)]
+    provider = TwoRanksInOneList(1, allocs)
+    assert comm.resolve_group(provider) is provider
+    assert (comm.rank(provider), comm.world_size(provider)) == (1, 2)
+    assert comm.group_name(provider) == "pair/r1"
+    buf = sm.SymmetricBuffer.get(provider, 100, "cpu")
+    assert provider.asked == [(sm.MIN_SIZE_CLASS, torch.device("cpu"))]
+    assert buf.buffer_ptrs == [t.data_ptr() for t in allocs]
+    buf.free()  # a torch.distributed barrier here would raise: no process group exists
+    assert buf.freed
+
+
 # --- real processes, host shared memory ----------------------------------------------------------
 
 def _check_views(buf, rank, world):

@@ -4,7 +4,9 @@
   * ``None``: the default process group, or -- when ``torch.distributed`` is not initialised --
     a single-process "local" group of size 1, so the ops run unchanged on a laptop;
   * a ``ProcessGroup``;
-  * a one-dimensional ``DeviceMesh`` (e.g. ``mesh["tp"]``), or a ``(DeviceMesh, dim_name)`` pair.
+  * a one-dimensional ``DeviceMesh`` (e.g. ``mesh["tp"]``), or a ``(DeviceMesh, dim_name)`` pair;
+  * a ``BufferProvider``: one rank of a group whose ranks share this process (the fused methods
+    take it where they take a ``ProcessGroup``).
 
 Registered ops cannot take a ``ProcessGroup`` argument, so they take the group's name (as torch's own
 functional collectives do); ``LOCAL`` (the empty string) names the local group of size 1.
@@ -23,16 +25,20 @@ class GroupError(ValueError):
     pass
 
 
-class InProcessRank:
-    """One of several ranks that live in this one process (the virtual ranks of
-    pyfused/fused/virtual_ranks.py): the fused methods accept it as ``group``. It names itself and
-    provides its symmetric buffers (``symmetric_buffer``); it has no collectives of torch.distributed."""
+class BufferProvider:
+    """One rank of a group whose ranks all live in this process, passed as ``group``: it names
+    itself (``group_name``), says its ``rank`` and the group's size (``world``), and provides its
+    own symmetric buffers (``symmetric_buffer``), so comm exchanges and synchronizes nothing for
+    it. It has no torch.distributed collectives. The one-GPU test bed's virtual ranks
+    (pyfused/fused/virtual_ranks.py) are providers."""
 
     rank: int
     world: int
     group_name: str
 
     def symmetric_buffer(self, data_bytes: int, device: torch.device):
+        """This rank's ``SymmetricBuffer`` of size class ``data_bytes`` on ``device``, whose peers
+        are the group's other ranks."""
         raise NotImplementedError
 
 
@@ -44,7 +50,7 @@ def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
         return None
     # two checks, ProcessGroup first: under torch.compile a group is a fake script object that
     # Dynamo matches against ProcessGroup alone, not inside a tuple of classes
-    if isinstance(group, dist.ProcessGroup) or isinstance(group, InProcessRank):
+    if isinstance(group, dist.ProcessGroup) or isinstance(group, BufferProvider):
         return group
     try:
         from torch.distributed.device_mesh import DeviceMesh
@@ -66,7 +72,7 @@ def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
 
 
 def group_name(pg: Optional[dist.ProcessGroup]) -> str:
-    return LOCAL if pg is None else pg.group_name  # InProcessRank too
+    return LOCAL if pg is None else pg.group_name  # a BufferProvider's too
 
 
 def group_from_name(name: str) -> Optional[dist.ProcessGroup]:
@@ -80,13 +86,13 @@ def group_from_name(name: str) -> Optional[dist.ProcessGroup]:
 def world_size(pg: Optional[dist.ProcessGroup]) -> int:
     if isinstance(pg, dist.ProcessGroup):  # a member's group: its size, without get_world_size's checks
         return pg.size()
-    if isinstance(pg, InProcessRank):
+    if isinstance(pg, BufferProvider):
         return pg.world
     return 1 if pg is None else dist.get_world_size(pg)
 
 
 def rank(pg: Optional[dist.ProcessGroup]) -> int:
-    if isinstance(pg, InProcessRank):
+    if isinstance(pg, BufferProvider):
         return pg.rank
     return 0 if pg is None else dist.get_rank(pg)
 

@@ -31,9 +31,8 @@ Backends (``backend=`` or ``PYFUSED_SYMM_BACKEND``; docs/TESTBED.md compares the
     models of the fused kernels (the CPU kernels of ``pyfused::all_reduce_rows`` / ``symm_barrier``,
     the Triton interpreter) run across real processes in tests. No op chooses it.
   * world size 1 needs no exchange: a plain zeroed tensor on the device ("local").
-  * ranks of one process (``InProcessRank``, the virtual ranks of pyfused/fused/virtual_ranks.py):
-    their group allocates every rank's buffer as an ordinary zeroed tensor of one context and hands
-    each rank its ``SymmetricBuffer`` (backend "virtual"); nothing is exchanged.
+  * ranks of one process (a ``BufferProvider`` passed as the group, such as the test bed's virtual
+    ranks): the provider hands each rank its ``SymmetricBuffer``; nothing is exchanged.
 
 The backends' classes are in ``symmetric_backends.py``.
 
@@ -50,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
-from .group import InProcessRank
+from .group import BufferProvider
 from .group import group_name as _group_name
 from .group import rank as _rank
 from .group import resolve_group
@@ -235,7 +234,7 @@ class SymmetricBuffer:
         """This rank's cached buffer of >= ``nbytes`` for ``group`` on ``device``; collective on a
         cache miss. ``gather`` replaces ``dist.all_gather_object`` (tests)."""
         pg = resolve_group(group) if not isinstance(group, dist.ProcessGroup) else group
-        if isinstance(pg, InProcessRank):  # ranks of one process: their group owns the memory
+        if isinstance(pg, BufferProvider):  # ranks of one process: the provider owns the memory
             return pg.symmetric_buffer(size_class(nbytes), torch.device(device))
         device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -299,7 +298,7 @@ class SymmetricBuffer:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.world > 1 and not isinstance(self.pg, InProcessRank):  # in-process: synchronized
+        if self.world > 1 and not isinstance(self.pg, BufferProvider):  # in-process: synchronized
             dist.barrier(group=self.pg)
         SymmetricBuffer._cache.pop(self.key, None)
         mapping, self._mapping, self._ptr_tables = self._mapping, None, None

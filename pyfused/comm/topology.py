@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .faults import failures_named, inherit_default_timeout
-from .group import InProcessRank, group_name, resolve_group, world_size
+from .group import BufferProvider, group_name, resolve_group, world_size
 
 HOST_ENV = "PYFUSED_HOST"
 MESH_DIMS = ("host", "local")
@@ -123,7 +123,7 @@ def host_layout(group=None) -> HostLayout:
     it must call), then cached; one rank, or ranks of one process, need no collective."""
     pg = resolve_group(group)
     mine = HostRecord.mine()
-    if pg is None or isinstance(pg, InProcessRank) or world_size(pg) == 1:
+    if pg is None or isinstance(pg, BufferProvider) or world_size(pg) == 1:
         return HostLayout((mine.host,) * world_size(pg))
     key = (group_name(pg), mine.host)
     layout = _layouts.get(key)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..comm import streams
-from ..comm.group import InProcessRank
+from ..comm.group import BufferProvider
 from ..comm.symmetric import MAX_WORLD, PAD_BYTES, Mapping, SymmetricBuffer
 from . import config
 
@@ -51,7 +51,7 @@ BACKEND = "virtual"
 _group_ids = itertools.count()
 
 
-class VirtualRank(InProcessRank):
+class VirtualRank(BufferProvider):
     """Rank ``rank`` of a ``VirtualGroup``: what the fused methods take as ``group``."""
 
     def __init__(self, group: "VirtualGroup", rank: int):
