@@ -1,4 +1,4 @@
-"""Benchmark of the fused ops with W virtual ranks on one GPU (pyfused/fused/virtual_ranks.py).
+"""Benchmark of the fused ops with W virtual ranks on one GPU (pyfused/testing/virtual_ranks.py).
 
 Each fused op at W = 2, 4, 8 against the same op's unfused composition on the same harness: the same
 streams, the same SM share per rank (SMs // W for the fused kernels; torch's own kernels are not
@@ -35,8 +35,8 @@ SKIP_STATUS = "skipped: needs a CUDA GPU (virtual ranks are CUDA streams of one 
 
 
 def _cases():
-    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py)."""
-    from pyfused.fused.virtual_cases import cases
+    """Every virtual-rank case of the registered ops (pyfused/testing/virtual_cases.py)."""
+    from pyfused.testing.virtual_cases import cases
 
     return cases(OPS.values())
 
@@ -49,7 +49,7 @@ def _shape(case, quick: bool) -> Dict[str, int]:
 
 
 def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
-    from pyfused.fused.virtual_cases import max_rel_error, run_unfused
+    from pyfused.testing.virtual_cases import max_rel_error, run_unfused
 
     shape = _shape(case, ctx.quick)
     inputs = case.make(group.world, shape["rows"], shape["n"], shape["k"], ctx.dtype, group.device, 0)
@@ -73,7 +73,7 @@ def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
 
 
 def run(ctx: BenchContext) -> List[dict]:
-    from pyfused.fused.virtual_ranks import VirtualGroup
+    from pyfused.testing.virtual_ranks import VirtualGroup
 
     CASES = _cases()
     if ctx.device.type != "cuda":
@@ -94,7 +94,7 @@ def run(ctx: BenchContext) -> List[dict]:
 def warm(dtypes=(torch.bfloat16, torch.float16)) -> None:
     """Run every case once per W and dtype at the shapes the tests and this suite use (compiles
     every Triton variant they need into the cache)."""
-    from pyfused.fused.virtual_ranks import VirtualGroup
+    from pyfused.testing.virtual_ranks import VirtualGroup
 
     CASES = _cases()
     test_shape = dict(rows=384, n=1280, k=1024)  # tests/test_virtual_ranks.py GPU_SHAPE

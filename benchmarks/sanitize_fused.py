@@ -10,19 +10,19 @@ Spawns ``--world`` ranks on this host's GPU(s) (rank r on cuda:r % count), joine
 the fused implementations (pyfused/fused) need a group only for the symmetric-buffer exchange and
 their buffers' barriers, and gloo keeps NCCL's own kernels out of the sanitizer's report. Each rank
 runs every fused kernel on small odd shapes -- the custom all-reduce (one-shot and two-shot, every
-epilogue), then every case of every fused op (pyfused/fused/virtual_cases.py, from the op
+epilogue), then every case of every fused op (pyfused/testing/virtual_cases.py, from the op
 registry: GEMM + all-reduce, all-gather + GEMM, GEMM + reduce-scatter, their backwards, ...) --
 ``--iters`` times, checks the results against fp64 references on the CPU, frees its buffers and
 exits 0; any mismatch or error exits 1 (and the sanitizer exits 9 on a memory or race error it
 found).
 
 ``--virtual`` runs the ranks as virtual ranks of this one process instead
-(pyfused/fused/virtual_ranks.py: one stream and an SM share per rank, truly concurrent on one GPU),
-every case of pyfused/fused/virtual_cases.py in bf16: what the sanitizer sees is then one process
-whose ranks' kernels run at the same time, as on a node, rather than time-sliced processes -- where
-the tool lets them: a tool that serializes a process's kernel launches deadlocks virtual ranks
-(their kernels wait on each other) until the fused timeout, so benchmarks/gpu_check.sh runs the
-sanitizer over one process per rank.
+(pyfused/testing/virtual_ranks.py: one stream and an SM share per rank, truly concurrent on one
+GPU), every case of pyfused/testing/virtual_cases.py in bf16: what the sanitizer sees is then one
+process whose ranks' kernels run at the same time, as on a node, rather than time-sliced processes
+-- where the tool lets them: a tool that serializes a process's kernel launches deadlocks virtual
+ranks (their kernels wait on each other) until the fused timeout, so benchmarks/gpu_check.sh runs
+the sanitizer over one process per rank.
 
 ``--cpu`` runs the same driver on CPU (host-shm buffers, CPU kernels, Triton interpreter): a check
 of the driver itself where there is no GPU (tests/test_fused.py runs it).
@@ -50,9 +50,9 @@ def _close(got, want, tol, what):
 
 
 def _cases():
-    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py): each fused
+    """Every virtual-rank case of the registered ops (pyfused/testing/virtual_cases.py): each fused
     op's inputs, fused call and fp64 reference."""
-    from pyfused.fused.virtual_cases import cases
+    from pyfused.testing.virtual_cases import cases
     from pyfused.ops.registry import OPS
 
     return cases(OPS.values())
@@ -65,7 +65,7 @@ def _body(rank: int, world: int, iters: int, cpu: bool) -> None:
     from pyfused.comm.symmetric import free_all
     from pyfused.fused.all_reduce import all_reduce_rows
     from pyfused.fused.config import ONE_SHOT, TWO_SHOT
-    from pyfused.fused.virtual_cases import max_rel_error
+    from pyfused.testing.virtual_cases import max_rel_error
 
     if cpu:
         dev, kw = torch.device("cpu"), {"backend": "host-shm"}
@@ -118,8 +118,8 @@ def _virtual_main(world: int, iters: int, cpu: bool) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before pyfused.kernels is imported
     import torch
 
-    from pyfused.fused.virtual_cases import max_rel_error
-    from pyfused.fused.virtual_ranks import VirtualGroup
+    from pyfused.testing.virtual_cases import max_rel_error
+    from pyfused.testing.virtual_ranks import VirtualGroup
 
     dtype, (rows, n, k) = (torch.float32, (6, 20, 12)) if cpu else (torch.bfloat16, (40, 72, 96))
     tol = 1e-4 if cpu else 3e-2

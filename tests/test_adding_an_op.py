@@ -301,6 +301,7 @@ def test_the_doc_names_every_hook_and_every_op_module_defines_them():
 
 # The drivers that serve every op: per-op knowledge reaches them through the registry only.
 DRIVERS = ["pyfused/bench", "pyfused/tune", "pyfused/fused", "pyfused/comm",
+           "pyfused/testing/virtual_cases.py", "pyfused/testing/virtual_ranks.py",
            "pyfused/ops/_common.py", "pyfused/ops/_dispatch.py", "pyfused/ops/_fused.py",
            "pyfused/ops/_hooks.py", "pyfused/ops/_signature.py", "pyfused/ops/tuned.py",
            "benchmarks/bench_overhead.py", "benchmarks/bench_virtual_ranks.py",

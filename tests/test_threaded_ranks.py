@@ -3,7 +3,7 @@
 
 Every rank is a thread launching the project's kernels in the Triton interpreter while the others
 run theirs: a GEMM or reduce that waits on a flag polls it until the peer's thread has copied the
-data and set the flag. Checked against the fp64 references of pyfused/fused/virtual_cases.py:
+data and set the flag. Checked against the fp64 references of pyfused/testing/virtual_cases.py:
 
   * ``test_protocol``: the GPU schedules (all-gather + GEMM, GEMM + reduce-scatter with the tile
     counters and the relay, GEMM + one-shot all-reduce, one- and two-shot all-reduce + RMSNorm in
@@ -25,9 +25,9 @@ poll budget).
 import pytest
 import torch
 
-from pyfused.fused.virtual_cases import cases, max_rel_error
-from pyfused.ops.registry import OPS
 from pyfused.kernels.gemm_configs import GemmConfig
+from pyfused.ops.registry import OPS
+from pyfused.testing.virtual_cases import cases, max_rel_error
 from tests.utils import TOLERANCES
 
 pytestmark = pytest.mark.interpreter
@@ -63,7 +63,7 @@ def interpreter():
 
 @pytest.fixture
 def group_of():
-    from pyfused.fused.virtual_ranks import VirtualGroup
+    from pyfused.testing.virtual_ranks import VirtualGroup
 
     groups = []
 

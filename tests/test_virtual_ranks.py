@@ -1,4 +1,4 @@
-"""Virtual ranks (pyfused/fused/virtual_ranks.py): W ranks of the fused ops in one process.
+"""Virtual ranks (pyfused/testing/virtual_ranks.py): W ranks of the fused ops in one process.
 
 CPU (CI): the harness's plumbing through the CPU models -- rank -> stream -> buffer tables, the SM
 budget every fused launch receives, epochs across calls, and the adversarial modes (a late rank, NaN
@@ -27,21 +27,21 @@ CPU_SHAPE = dict(rows=6, n=20, k=12)  # odd sizes: partial tiles everywhere
 
 
 def _cases():
-    """Every virtual-rank case of the registered ops (pyfused/fused/virtual_cases.py)."""
-    from pyfused.fused.virtual_cases import cases
+    """Every virtual-rank case of the registered ops (pyfused/testing/virtual_cases.py)."""
+    from pyfused.testing.virtual_cases import cases
     from pyfused.ops.registry import OPS
 
     return cases(OPS.values())
 
 
 def _group(world, device="cpu", **kw):
-    from pyfused.fused.virtual_ranks import VirtualGroup
+    from pyfused.testing.virtual_ranks import VirtualGroup
 
     return VirtualGroup(world, device, **kw)
 
 
 def _check_case(group, name, dtype, rows, n, k, seed=0, **run_kw):
-    from pyfused.fused.virtual_cases import max_rel_error
+    from pyfused.testing.virtual_cases import max_rel_error
 
     case = _cases()[name]
     inputs = case.make(group.world, rows, n, k, dtype, group.device, seed)
@@ -200,7 +200,7 @@ GPU_SHAPE = dict(rows=384, n=1280, k=1024)  # per rank; rows * W divisible by W;
 def test_gpu_every_case(world, dtype):
     """Each case with truly concurrent ranks, twice (epochs), against the fp64 reference and the
     unfused composition on the same harness."""
-    from pyfused.fused.virtual_cases import max_rel_error, run_unfused
+    from pyfused.testing.virtual_cases import max_rel_error, run_unfused
 
     CASES = _cases()
 
@@ -240,8 +240,8 @@ def test_gpu_lost_rank_times_out_with_its_name():
     context)."""
     code = textwrap.dedent("""
         import torch
-        from pyfused.fused.virtual_cases import cases
-        from pyfused.fused.virtual_ranks import VirtualGroup
+        from pyfused.testing.virtual_cases import cases
+        from pyfused.testing.virtual_ranks import VirtualGroup
         from pyfused.ops.registry import OPS
         case = cases(OPS.values())["all_gather_matmul"]
         group = VirtualGroup(2, "cuda")

@@ -30,7 +30,7 @@ class BufferProvider:
     itself (``group_name``), says its ``rank`` and the group's size (``world``), and provides its
     own symmetric buffers (``symmetric_buffer``), so comm exchanges and synchronizes nothing for
     it. It has no torch.distributed collectives. The one-GPU test bed's virtual ranks
-    (pyfused/fused/virtual_ranks.py) are providers."""
+    (pyfused/testing/virtual_ranks.py) are providers."""
 
     rank: int
     world: int

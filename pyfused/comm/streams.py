@@ -15,7 +15,7 @@ import torch
 
 _streams: Dict[Tuple[int, Hashable, int], "torch.cuda.Stream"] = {}
 # Whose side streams these are: one process is one rank (None), except under virtual ranks
-# (pyfused/fused/virtual_ranks.py), where each rank of the process has its own.
+# (pyfused/testing/virtual_ranks.py), where each rank of the process has its own.
 _OWNER: contextvars.ContextVar[Hashable] = contextvars.ContextVar("pyfused_stream_owner",
                                                                    default=None)
 

@@ -45,9 +45,9 @@ DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(256 << 10)  # 5-8 ranks
 RELAY_SMS = 2
 
 # Programs the fused kernels of this rank may hold at once, when set (``sm_budget``): with W virtual
-# ranks on one GPU (pyfused/fused/virtual_ranks.py) each rank gets about SMs/W, so that every rank's
-# spinning kernels are resident together. A context variable, so a rank launched from its own thread
-# has its own.
+# ranks on one GPU (pyfused/testing/virtual_ranks.py) each rank gets about SMs/W, so that every
+# rank's spinning kernels are resident together. A context variable, so a rank launched from its own
+# thread has its own.
 _SM_BUDGET: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("pyfused_sm_budget",
                                                                             default=None)
 # CPU tensors run in the Triton interpreter, which runs programs one after another: a few programs

@@ -33,7 +33,7 @@ GEMM + reduce-scatter (``fused_matmul_reduce_scatter``), a [M, K], out [M/W, N]
   while a peer waits for this rank's relay, and the peer's owner for it: a cross-rank deadlock.
 
 Every kernel's grid is capped at ``config.grid_budget`` programs: with virtual ranks
-(pyfused/fused/virtual_ranks.py) each rank's kernels then fit beside the other ranks' on one GPU.
+(pyfused/testing/virtual_ranks.py) each rank's kernels then fit beside the other ranks' on one GPU.
 
 Waits in the Triton kernels are bounded in wall-clock time (``PYFUSED_FUSED_TIMEOUT_MS``, read
 against ``%globaltimer``): one that gives up is reported by

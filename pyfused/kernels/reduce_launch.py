@@ -90,7 +90,7 @@ class PointerTable:
 
 
 # The interpreter keeps the grid index of the running launch in module state, so launches from
-# several threads (virtual ranks on CPU, pyfused/fused/virtual_ranks.py) must not interleave.
+# several threads (virtual ranks on CPU, pyfused/testing/virtual_ranks.py) must not interleave.
 _INTERPRETER_LOCK = threading.Lock()
 # How many concurrent_interpreter_launches blocks are open, in any thread.
 _CONCURRENT_HARNESSES = [0]

@@ -51,7 +51,7 @@ def gemm_flop(world: int, rows: int, n: int, k: int) -> float:
 
 
 def case(make, fused, unfused, reference, flop) -> Dict[str, Callable]:
-    """The parts of a virtual-rank case (pyfused/fused/virtual_cases.py, ``Case``): ``make`` as
+    """The parts of a virtual-rank case (pyfused/testing/virtual_cases.py, ``Case``): ``make`` as
     ``make_inputs``; ``fused(rank_handle, *inputs_of_rank, **kw)`` -> that rank's output;
     ``unfused(inputs, rank)`` the same op composed of torch ops with all inputs visible;
     ``reference(inputs)`` -> fp64 outputs per rank; ``flop(world, rows, n, k)``."""

@@ -3,7 +3,7 @@
 The functional ops (``pyfused.ops``), the fused-implementation table (``pyfused.ops._fused``), the
 tuner (``pyfused.tune``), the tuning and benchmark shapes (``pyfused.bench.shapes``), the bench
 suites (``pyfused.bench.gemm_collective``, the ``overhead`` suite), the virtual-rank cases
-(``pyfused.fused.virtual_cases``) and the tests' op lists read this table and the hooks below.
+(``pyfused.testing.virtual_cases``) and the tests' op lists read this table and the hooks below.
 Adding an op is one entry here plus its own files (docs/ARCHITECTURE.md, "Adding an op").
 
 Each op's module (``OpSpec.module``, by default ``pyfused/ops/<op>.py``) defines, beside the
@@ -24,7 +24,7 @@ benchmarks and virtual ranks reach through the op's ``OpSpec``:
       write it without pyfused (the ``overhead`` suite's baseline);
   virtual_cases()
       ops with a fused implementation only: its cases for virtual ranks, name -> parts of a
-      ``pyfused.fused.virtual_cases.Case``.
+      ``pyfused.testing.virtual_cases.Case``.
 
 Importing this module imports no op, kernel or fused implementation: the ``module``, ``fused`` and
 ``peers`` fields name them, and the properties below import on demand.

@@ -22,7 +22,7 @@ The library's ``matmul_all_reduce`` and ``all_reduce_add_rmsnorm`` run the CUDA 
 (csrc/allreduce_cuda.cu), which has no Triton twin: the two all-reduce schedules here exercise the
 Triton reduce's waits and epilogue in the same roles, not that kernel.
 
-Inputs and fp64 references are the virtual-rank cases' (pyfused/fused/virtual_cases.py).
+Inputs and fp64 references are the virtual-rank cases' (pyfused/testing/virtual_cases.py).
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from torch import Tensor
 
 from ..comm.symmetric import SymmetricBuffer
 from ..fused import config
-from ..fused.virtual_cases import Inputs, cases
 from ..kernels.gemm_launch import gemm, plan_gemm
 from ..kernels.reduce_launch import PointerTable, chunk_rows_of, multi_source_reduce
 from ..ops.all_reduce_add_rmsnorm import SAMPLE_EPS as EPS  # the cases' eps
 from ..ops.registry import OPS
 from .threaded_ranks import NO_FAULTS, Faults, RankView, run_ranks
+from .virtual_cases import Inputs, cases
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """Ranks as threads running the real Triton kernels' cross-rank waits on CPU.
 
-Each rank is a thread of a CPU ``VirtualGroup`` (pyfused/fused/virtual_ranks.py): its symmetric
+Each rank is a thread of a CPU ``VirtualGroup`` (pyfused/testing/virtual_ranks.py): its symmetric
 buffers and flags are ordinary CPU tensors every thread can address, and its kernels run in the
 Triton interpreter, made safe for concurrent launches by ``thread_safe_interpreter()``
 (pyfused/testing/interpreter.py). A kernel that waits on a flag therefore really waits -- polls with
@@ -9,7 +9,7 @@ do. Waits are bounded by ``Faults.spin_limit`` polls (the interpreter has no clo
 
 Two kinds of calls run this way:
   * the library's fused schedules themselves (``run_fused_case``: the cases of
-    pyfused/fused/virtual_cases.py whose kernels are Triton), whose CPU path lets the kernels wait
+    pyfused/testing/virtual_cases.py whose kernels are Triton), whose CPU path lets the kernels wait
     for the peers when launches may overlap (``gemm_collectives._waits_block``);
   * the GPU paths of the schedules, side streams as side threads, including the parts whose CPU
     path differs (GEMM tile counters and their relay) and Triton forms of the all-reduces
@@ -261,9 +261,10 @@ def _faulty_schedules(call: Call) -> Iterator[None]:
 
 def run_fused_case(group, fused: Callable[..., Tensor], inputs: Sequence[Tuple[Tensor, ...]],
                    faults: Faults = NO_FAULTS) -> List[Tensor]:
-    """``fused(pg, *inputs[r])`` -- a case of pyfused/fused/virtual_cases.py -- on every rank, with
-    ``faults`` (not ``lost_flag``) applied to the schedule's launches and flag writes. A wait that
-    gives up raises the launcher's ``WaitTimeout`` (naming the chunk) from the rank's thread."""
+    """``fused(pg, *inputs[r])`` -- a case of pyfused/testing/virtual_cases.py -- on every rank,
+    with ``faults`` (not ``lost_flag``) applied to the schedule's launches and flag writes. A wait
+    that gives up raises the launcher's ``WaitTimeout`` (naming the chunk) from the rank's
+    thread."""
     if faults.lost_flag is not None:
         raise ValueError("run_fused_case applies flag delays and a held-back rank, not lost flags")
     call = Call(group.world, faults)

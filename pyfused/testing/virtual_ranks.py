@@ -45,7 +45,7 @@ import torch
 from ..comm import streams
 from ..comm.group import BufferProvider
 from ..comm.symmetric import MAX_WORLD, PAD_BYTES, Mapping, SymmetricBuffer
-from . import config
+from ..fused import config
 
 BACKEND = "virtual"
 _group_ids = itertools.count()
@@ -234,7 +234,7 @@ class VirtualGroup:
         results = self.launch(fn, args, **launch_kw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        from .gemm_collectives import TIMEOUTS
+        from ..fused.gemm_collectives import TIMEOUTS
 
         TIMEOUTS.check(sync=True)
         return results

@@ -1,4 +1,4 @@
-"""The fused ops as cases for virtual ranks (pyfused/fused/virtual_ranks.py): inputs per rank, the
+"""The fused ops as cases for virtual ranks (pyfused/testing/virtual_ranks.py): inputs per rank, the
 fused call, the same op's unfused composition on the same harness, and the fp64 reference.
 
 Each op with a fused implementation says its cases in its own module (the registry hook
@@ -6,9 +6,9 @@ Each op with a fused implementation says its cases in its own module (the regist
 whose backward is the other fused op (the gradient of all-gather + GEMM w.r.t. ``a`` is GEMM +
 reduce-scatter of ``grad @ b^T`` and vice versa; ``b^T`` is passed as a transposed view, as
 autograd would), all_gather_matmul keeping the gathered input, and ``all_reduce_add_rmsnorm`` with
-the one-shot and the two-shot kernel forced. ``cases(OPS.values())`` collects them; the registry is
-passed in, since this layer sits below the ops. Shapes are chosen per case from (rows, n, k):
-``rows`` is a rank's own rows (the gathered / scattered dimension is ``rows * W``).
+the one-shot and the two-shot kernel forced. ``cases(OPS.values())`` collects them (a caller may
+pass more specs, such as a test's toy op). Shapes are chosen per case from (rows, n, k): ``rows``
+is a rank's own rows (the gathered / scattered dimension is ``rows * W``).
 
 The unfused composition runs on the same streams, SMs and memory: the collective is a copy from
 the peers' tensors (what NCCL does over NVLink, one context here) and the math is torch's. A case's
