@@ -32,8 +32,8 @@ from .. import comm
 from .._logging import logger
 from ..comm import plans, validate
 from ._signature import (  # noqa: F401  (part of this module's interface)
-    FLOAT_DTYPES, METHODS, NOT_A_METHOD, CallSignature, agreement, call_key, check_matmul_inputs,
-    common_refusal, int_code, method_code, _chunk_code, _meta,
+    FLOAT_DTYPES, METHODS, NOT_A_METHOD, CallSignature, MethodUnavailable, agreement, call_key,
+    check_matmul_inputs, common_refusal, int_code, method_code, _chunk_code, _meta,
 )
 from .registry import OPS
 
@@ -80,10 +80,6 @@ def _op_tags() -> dict:
 
 
 OP_TAGS = _op_tags()
-
-
-class MethodUnavailable(RuntimeError):
-    """``method=`` asked for a path that cannot run here; the message says why."""
 
 
 def fused_status(op: str, device_type: str, dtype: Optional[torch.dtype] = None,

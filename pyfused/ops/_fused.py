@@ -24,6 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ._signature import MethodUnavailable
 from .registry import FUSED_OPS, OPS
 
 IMPLS: Dict[str, Callable] = {}
@@ -135,8 +136,6 @@ def run(op: str, *args, **kwargs):
     """The fused implementation of ``op``, run with the inputs' GPU as the current device (the
     Triton launches and the comm stream follow the current device, not the tensors)."""
     if op not in IMPLS:
-        from ._common import MethodUnavailable
-
         raise MethodUnavailable(status(op)[1])
     device = args[0].device
     if device.type == "cuda":

@@ -19,6 +19,10 @@ NOT_A_METHOD = len(METHODS)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+class MethodUnavailable(RuntimeError):
+    """``method=`` asked for a path that cannot run here; the message says why."""
+
+
 def method_code(method: Any) -> int:
     return METHODS.index(method) if isinstance(method, str) and method in METHODS else NOT_A_METHOD
 
