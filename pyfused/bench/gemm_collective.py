@@ -25,7 +25,7 @@ from .. import comm
 from ..ops import _common
 from ..ops.registry import OPS
 from . import peers
-from .harness import BenchContext, op_row, tensor_bytes, time_interleaved
+from .harness import BenchContext, op_row, relative_error, tensor_bytes, time_interleaved
 
 METHODS = ("unfused", "decomposed", "fused", "auto")
 
@@ -38,12 +38,6 @@ def method_transport(method: str, ctx: BenchContext) -> str:
     if ctx.world == 1:
         return "none"
     return "symm-mem" if method == "fused" else ctx.transport
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|out - ref| / max|ref|, in fp64 (inf or nan where out is not finite)."""
-    return (out.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(),
-                                                                  1e-30)
 
 
 def agree_close(out: torch.Tensor, ref: torch.Tensor, what: str, ctx: BenchContext) -> None:

@@ -252,6 +252,13 @@ def overlap_efficiency(t_gemm_ms: Optional[float], t_comm_ms: Optional[float],
     return (t_gemm_ms + t_comm_ms - t_method_ms) / shorter
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref|, in fp64 (inf or nan where out is not finite): how a suite checks
+    a method's output against its reference before timing it."""
+    return (out.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(),
+                                                                  1e-30)
+
+
 # The columns the CLI's table knows, in display order; any other key of a row is kept in the files.
 ROW_COLUMNS = ("suite", "shape", "dtype", "method", "transport", "status", "time_ms", "tflops",
                "algbw_GBps", "busbw_GBps", "speedup", "overlap_eff", "note")

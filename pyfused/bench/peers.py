@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.registry import OPS
-from .harness import BenchContext
+from .harness import BenchContext, relative_error
 
 TRANSPORT = "symm-mem"
 
@@ -166,8 +166,6 @@ def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) ->
     """Run every part once; drop (on every rank) any part that raised or whose output differs from
     ``ref`` (the unfused method's) by more than ``tol`` relative to max|ref| on any rank. The
     verdicts travel in one all-reduce after all parts ran."""
-    from .gemm_collective import relative_error
-
     labels = list(parts.parts)
     whys = []
     for label in labels:
