@@ -6,10 +6,11 @@
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
     schedule.step(x) / schedule.step() / schedule.step(target=y, losses=losses)  # first/middle/last
 
-Modules: plan.py (pure orders and transfer plans, checked by a simulator), balance.py (pure
-partitioning), stage.py, meta.py (shape agreement), p2p.py (batched, overlapped transfers),
-executor.py, schedules.py, errors.py (same error on every rank), autosplit.py (split), timeline.py,
-split_backward.py (B and W of any module), zero_bubble.py (orders of the split-backward schedules).
+Modules: actions.py (the orders' vocabulary), plan.py (pure orders and transfer plans, checked by a
+simulator), balance.py (pure partitioning), stage.py, meta.py (shape agreement), p2p.py (batched,
+overlapped transfers), executor.py, schedules.py, errors.py (same error on every rank), autosplit.py
+(split), timeline.py, split_backward.py (B and W of any module), zero_bubble.py (orders of the
+split-backward schedules).
 """
 from .balance import even_starts, partition, stage_sums
 from .errors import PipelineError

@@ -45,25 +45,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+from .actions import (  # noqa: F401  (local_stages: re-exported with the rest of the vocabulary)
+    BACKWARD, FORWARD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, local_stages, rounds,
+    stage_rank,
+)
+from .zero_bubble import zero_bubble_orders
+
 ACT, GRAD = "act", "grad"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "interleaved_zb", "zbv", "dualpipev")
-# Schedules whose backward is split: B computes the input gradients (sent on at once), W later the
-# weight gradients of the same stage and microbatch (split_backward.py).
-SPLIT_BACKWARD = ("zbh1", "interleaved_zb", "zbv", "dualpipev")
-# Schedules that place stage s on rank s for s < p and on rank 2p-1-s after (two stages per rank).
-V_SHAPED = ("zbv", "dualpipev")
 DEFAULT_LOOKAHEAD = 2
-
-
-@dataclass(frozen=True)
-class Action:
-    op: str  # FORWARD, BACKWARD or WEIGHT
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.op}{self.stage}.{self.mb}"
 
 
 @dataclass(frozen=True)
@@ -86,26 +75,6 @@ class Step:
     recvs: Tuple[Message, ...]   # receives newly posted here, in per-sender production order
     waits: Tuple[Message, ...]   # remote inputs of ``action``
     action: Optional[Action]     # None for the closing step (last sends only)
-
-
-def stage_rank(stage: int, p: int, v_shaped: bool = False) -> int:
-    """The group rank of ``stage``: torch's "loop" placement (``s % p``), or its "v" placement
-    (stage ``s`` and stage ``2p-1-s`` on rank ``s``: the first and the last stage share rank 0)."""
-    if v_shaped:
-        return stage if stage < p else 2 * p - 1 - stage
-    return stage % p
-
-
-def local_stages(rank: int, p: int, v: int, v_shaped: bool = False) -> List[int]:
-    if v_shaped:
-        return [rank, 2 * p - 1 - rank]
-    return [rank + j * p for j in range(v)]
-
-
-def rounds(p: int, m: int) -> Tuple[int, int]:
-    """(number of rounds, microbatches per round) of the interleaved schedule."""
-    n_rounds = max(1, m // p)
-    return n_rounds, m // n_rounds
 
 
 def check_counts(schedule: str, p: int, v: int, m: int) -> Optional[str]:
@@ -138,7 +107,6 @@ def rank_order(schedule: str, rank: int, p: int, v: int, m: int, backward: bool)
     if schedule == "interleaved_1f1b":
         return _interleaved_order(rank, p, v, m, backward)
     if schedule in SPLIT_BACKWARD:
-        from .zero_bubble import zero_bubble_orders
         return list(zero_bubble_orders(schedule, p, v, m, backward)[rank])
     fwd = [Action(FORWARD, rank, i) for i in range(m)]
     if not backward:

@@ -38,7 +38,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from .plan import BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, rounds, stage_rank
+from .actions import (
+    BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, rounds, stage_rank,
+)
 
 UNIT = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 UNSPLIT = {FORWARD: 1.0, BACKWARD: 2.0}  # a full backward: input and weight gradients
@@ -68,7 +70,7 @@ def _dependency(a: Action, num_stages: int) -> Optional[Action]:
 @lru_cache(maxsize=256)
 def zero_bubble_orders(schedule: str, p: int, v: int, m: int, backward: bool
                        ) -> Dict[int, Tuple[Action, ...]]:
-    """Every rank's order for one of ``plan.SPLIT_BACKWARD`` (see the module docstring)."""
+    """Every rank's order for one of ``SPLIT_BACKWARD`` (see the module docstring)."""
     if schedule not in SPLIT_BACKWARD:
         raise ValueError(f"{schedule} is not a split-backward schedule")
     v_shaped = schedule in V_SHAPED
