@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS, OpNames
-from . import Entry, key, store
+from ..ops.tuned import Entry, key, store
 
 OPS = OpNames(lambda spec: True)  # every registered op, read at each use
 # CHUNKED: the ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
