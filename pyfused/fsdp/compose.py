@@ -22,11 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..pipeline.stage import before_backward
+from ..pipeline.accumulation import AccumulatingStage, before_backward
 from .fully_shard import FSDPModule, fully_shard
-
-# the pyfused.pipeline schedules whose last microbatch's backward is each stage's last backward
-STAGE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
@@ -46,11 +43,12 @@ def shard_model(model: nn.Module, block_list: Optional[str], dp_mesh, specs,
             specs[id(t)] = by_name[k]
 
 
-class FullyShardedStage(nn.Module):
+class FullyShardedStage(AccumulatingStage):
     """A fully sharded pipeline stage (``root``, an ``FSDPModule``) run in microbatched steps of
     ``n_microbatches`` by a GPipe, 1F1B or interleaved 1F1B schedule of ``pyfused.pipeline``
     (module docstring): pass it as the ``PipelineStage``'s module. ``begin_step`` (called by the
-    stage at every step) resets the microbatch count."""
+    stage at every step) resets the microbatch count; the schedules check it with
+    ``pyfused.pipeline.accumulation.stage_module_problem``."""
 
     def __init__(self, root: nn.Module, n_microbatches: int):
         super().__init__()
@@ -77,28 +75,6 @@ class FullyShardedStage(nn.Module):
             else:  # no backward will reach this stage's units: nothing to accumulate or reduce
                 self.root.set_requires_gradient_sync(True)
         return out
-
-
-def pipeline_problem(module: nn.Module, schedule: str, n_microbatches: int) -> Optional[str]:
-    """Why a ``pyfused.pipeline`` schedule cannot run the stage module ``module`` that holds
-    fully_shard units, or None. Unwrapped units would sync on every microbatch's backward, and
-    the root of the first stage (inputs without gradient, so only the end of a backward reduces
-    it) would leave some microbatches' gradients unreduced."""
-    if isinstance(module, FullyShardedStage):
-        if schedule not in STAGE_SCHEDULES:
-            return (f"a FullyShardedStage runs under the schedules {STAGE_SCHEDULES}, not "
-                    f"{schedule!r}: with a split backward its last microbatch's input-gradient "
-                    f"part B is not the stage's last backward (the weight-gradient parts W follow)")
-        if module.n_microbatches != n_microbatches:
-            return (f"the FullyShardedStage counts {module.n_microbatches} microbatches per step "
-                    f"but the schedule runs {n_microbatches}")
-        return None
-    if n_microbatches > 1:
-        return ("the stage's module holds fully_shard units: pass "
-                "pyfused.fsdp.FullyShardedStage(module, n_microbatches) as the stage's module, so "
-                "that its gradients accumulate over the microbatches and are reduce-scattered "
-                "once per step")
-    return None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

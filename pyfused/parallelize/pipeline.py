@@ -28,7 +28,7 @@ loss when labels are given).
 DP inside a stage: DDP's hooks reduce on the backward of a forward run outside ``no_sync``, but in a
 1F1B step the last forward precedes earlier microbatches' backwards; so every microbatch runs under
 ``no_sync`` and the last one's backward -- the last backward of the step on every stage -- arms the
-reducer as it starts (``pyfused.pipeline.stage.before_backward``), reducing the accumulated
+reducer as it starts (``pyfused.pipeline.accumulation.before_backward``), reducing the accumulated
 gradients. With
 ``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
 module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
@@ -51,7 +51,7 @@ from ..layers import DistributedDataParallel
 from ..pipeline import (
     PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, even_starts, split,
 )
-from ..pipeline.stage import before_backward
+from ..pipeline.accumulation import before_backward
 from .pipeline_units import (
     Block, Embed, Head, ModelParts, NotOnThisStage, outer_modules, replace_with_placeholder,
 )

@@ -36,6 +36,7 @@ import torch
 from .. import comm
 from .._logging import logger
 from . import meta
+from .accumulation import stage_module_problem
 from .errors import agree_step, raise_if_any
 from .executor import StepRun
 from .p2p import Transport, completes_as_group
@@ -85,9 +86,8 @@ class _PipelineSchedule:
             self._error = "loss_fn must be callable"
         if self._error is None and any(hasattr(m, "_pyfused_fsdp") for s in self._stages
                                        for m in s.submod.modules()):
-            from ..fsdp.compose import pipeline_problem
-
-            self._error = next(filter(None, (pipeline_problem(s.submod, self._schedule, n_microbatches)
+            self._error = next(filter(None, (stage_module_problem(s.submod, self._schedule,
+                                                                  n_microbatches)
                                              for s in self._stages)), None)
         self._p = comm.world_size(self._pg)
         self._rank = comm.rank(self._pg)

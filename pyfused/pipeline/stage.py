@@ -58,26 +58,6 @@ def zeros(metas: Metas, device: torch.device) -> Tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(m.shape, dtype=m.dtype, device=device) for m in metas)
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity whose backward first runs ``callback()``, then passes the gradient on."""
-
-    @staticmethod
-    def forward(ctx, x, callback):
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.callback()
-        return g, None
-
-
-def before_backward(x: torch.Tensor, callback) -> torch.Tensor:
-    """``x``, such that the backward through it begins with ``callback()``: how a stage module arms
-    its gradient reduction at the start of a step's last microbatch's backward."""
-    return _BeforeBackward.apply(x, callback)
-
-
 class _MicrobatchState:
     __slots__ = ("inputs", "outputs", "buffers", "loss", "failed", "weight_work")
 
@@ -284,5 +264,5 @@ class PipelineStage:
         self.output_chunks = []
         self.losses = []
         begin = getattr(self.submod, "begin_step", None)
-        if callable(begin):  # a module that counts its microbatches (pyfused.fsdp.FullyShardedStage)
+        if callable(begin):  # a module that counts its microbatches (accumulation.py)
             begin()
