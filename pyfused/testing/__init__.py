@@ -7,7 +7,8 @@
   threaded_ranks.py  ranks as threads that run the real kernels' cross-rank protocols on CPU
   protocols.py       those protocols, rank by rank
 
-The library never imports this package (``tests/test_interpreter_patches.py`` checks it); tests,
-the bench suite ``virtual_ranks`` and the sanitizer driver import it explicitly, and
-``interpreter.thread_safe_interpreter()`` changes Triton only inside its ``with`` block.
+The library never imports this package (``tests/test_import_graph.py`` and
+``tests/test_interpreter_patches.py`` check it); tests, the bench suite ``virtual_ranks`` and the
+sanitizer driver import it explicitly, and ``interpreter.thread_safe_interpreter()`` changes Triton
+only inside its ``with`` block.
 """
