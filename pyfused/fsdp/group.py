@@ -38,9 +38,9 @@ the reduce-scatter's output, this rank's shard of the shard group's sum, is then
 the replicate group together with the flags, in one coalesced call, before it becomes ``.grad``. A
 reduction therefore advances in two stages (``Reduction``), so that the all-reduce of one unit runs
 while the next unit's backward computes. ``all_reduce = False`` (FSDP2's
-``set_requires_all_reduce(False)``) keeps the reduce-scattered shards in ``partial`` (the reduce
-dtype, unscaled beyond the 1/(R x S)) instead: the next reduction that all-reduces adds them first,
-so gradient accumulation over micro-steps crosses the replicate groups once.
+``set_requires_all_reduce(False)``) keeps the reduce-scattered shards in ``partial`` instead (the
+reduce dtype, already scaled by 1/(R x S)): the next reduction that all-reduces adds them first, so
+gradient accumulation over micro-steps crosses the replicate groups once.
 """
 from __future__ import annotations
 
