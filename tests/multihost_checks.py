@@ -175,3 +175,30 @@ def bench_rows(rank: int, world: int) -> List[Dict]:
                            warmup=0, iters=1, options={"out": out})
         rows = bench_multihost.run(ctx)
     return [{k: r.get(k) for k in ("shape", "method", "status", "speedup", "hosts")} for r in rows]
+
+
+def hsdp_on_host_mesh(rank: int, world: int) -> Dict:
+    """HSDP on the host mesh (replicate across hosts, shard inside one: ``pyfused.comm.host_mesh``)
+    trains the MLP of tests/test_hsdp.py bit-identically to torch FSDP2's HSDP on the same mesh,
+    without the host warning; the transposed mesh (shard across hosts) gets it on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pyfused
+    from pyfused import comm
+    from pyfused.fsdp import mesh as mesh_mod
+    from tests import test_hsdp as T
+
+    mesh = comm.host_mesh()
+    want_first, _, want = T._train(rank, world, torch_fully_shard, mesh)
+    first, _, got = T._train(rank, world, pyfused.fully_shard, mesh)
+    assert sorted(first) == sorted(want_first)
+    for k, v in want_first.items():
+        assert torch.equal(first[k], v), f"step-0 gradient of {k}"
+    for k, v in want.items():
+        assert torch.equal(got[k], v), f"{k} after {T.STEPS} steps"
+    transposed = DeviceMesh(mesh.device_type, mesh.mesh.t(), mesh_dim_names=T.DIMS)
+    cpu = torch.device("cpu")
+    return {"mesh": list(mesh.shape),
+            "warning": mesh_mod.host_warning(mesh_mod.resolve(mesh, cpu)),
+            "transposed": mesh_mod.host_warning(mesh_mod.resolve(transposed, cpu))}

@@ -15,6 +15,11 @@ gradients and parameters after three AdamW steps are compared with ``torch.equal
 bf16 compute with fp32 reduction; at 3x1 at the fp32 row of the tolerance table (gradients) and the
 fp16 row (parameters, as in tests/test_fsdp.py: AdamW turns a rounding-level difference of a
 near-zero gradient into up to ~lr).
+
+Also: refused meshes and units (the same error on every rank of a 2x2 mesh, also on ranks that share
+no group with the one at fault), the host mesh with hosts faked by ``PYFUSED_HOST`` (the same body
+runs on real hosts in tests/test_multihost_testbed.py), buffer bytes against FSDP2's, and DCP round
+trips between HSDP and FSDP.
 """
 import pytest
 import torch
@@ -196,36 +201,21 @@ def test_bad_meshes_and_units_same_error_everywhere(ranks):
     assert "on rank 2" in got["option"] and "reshard_after_forward" in got["option"], got["option"]
 
 
-def _host_warnings(rank, world):
-    """Hosts faked as 2 x 2 (ranks 0, 1 on fake0): the warning for a mesh that shards across hosts
-    and replicates inside one, none for the host mesh (replicate across hosts, shard inside)."""
-    from torch.distributed.device_mesh import DeviceMesh
+def _on_fake_hosts(rank, world):
+    from tests import multihost_checks as C
 
-    import pyfused
-    from pyfused.comm import host_mesh
-    from pyfused.fsdp import mesh as mesh_mod
-    from tests.multihost_checks import fake_hosts
-
-    with fake_hosts(rank, 2):
-        across = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=DIMS)
-        inside = host_mesh()
-        warned = mesh_mod.host_warning(mesh_mod.resolve(across, torch.device("cpu")))
-        quiet = mesh_mod.host_warning(mesh_mod.resolve(inside, torch.device("cpu")))
-        model = pyfused.fully_shard(nn.Linear(4, 4), mesh=inside)  # the host mesh is HSDP's
-        placements = [str(p) for p in model.weight.placements]
-    return warned, quiet, placements
+    with C.fake_hosts(rank, 2):  # ranks 0, 1 on fake0; 2, 3 on fake1
+        return C.hsdp_on_host_mesh(rank, world)
 
 
-def test_shard_groups_across_hosts_warn(ranks):
-    out = ranks.run(4, _host_warnings, timeout=TIMEOUT)
-    for rank, (warned, quiet, placements) in enumerate(out):
-        assert quiet is None, quiet
-        assert warned is not None and "shards across hosts" in warned, warned
-        shard = "'fake0' (rank 0), 'fake1' (rank 2)" if rank % 2 == 0 else \
-            "'fake0' (rank 1), 'fake1' (rank 3)"
-        assert f"shard group: {shard}" in warned, warned
-        assert "host_mesh()" in warned
-        assert placements == ["R", "S(0)"], placements
+def test_host_mesh_matches_fsdp2_and_transposed_warns(ranks):
+    # the same body runs on real hosts in tests/test_multihost_testbed.py
+    out = ranks.run(4, _on_fake_hosts, timeout=TIMEOUT)
+    for rank, o in enumerate(out):
+        assert o["mesh"] == [2, 2] and o["warning"] is None, o
+        shard = f"'fake0' (rank {rank % 2}), 'fake1' (rank {rank % 2 + 2})"
+        assert "shards across hosts" in o["transposed"] and \
+            f"shard group: {shard}" in o["transposed"] and "host_mesh()" in o["transposed"], o
 
 
 def _memory_against_fsdp2(rank, world):
