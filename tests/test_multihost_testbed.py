@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks import multihost_testbed as mt
 from tests import multihost as M
+from tests.test_multihost import STEP_ROWS
 
 pytestmark = pytest.mark.slow
 CHECKS = ["layout", "fused", "allreduce", "ddp", "hsdp", "bench"]
@@ -52,8 +53,10 @@ def test_two_hosts_under_torchrun(bed2, tmp_path):
             o["hsdp"]["transposed"], o["hsdp"]
     assert [o["layout"]["local"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     bench = out[0]["bench"]  # the suite runs and checks its results; its timings are not asserted
-    assert [(r["shape"], r["method"], r["status"]) for r in bench] == [
+    assert [(r["shape"], r["method"], r["status"]) for r in bench[:4]] == [
         (f"{s} MiB", m, "ok") for s in (1, 4) for m in ("flat", "hierarchical")]
+    assert [(r["method"], r["mesh"], r["baseline"], r["status"]) for r in bench[4:]] == [
+        (*row, "ok") for row in STEP_ROWS]
 
 
 def test_links_are_shaped(bed2):
