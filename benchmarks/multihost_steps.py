@@ -23,8 +23,9 @@ docstring says why the best); ``speedup`` / ``median_speedup`` against the brack
 ``state_MB`` (parameters, gradients, optimizer state of this rank) and ``peak_MB`` (live tensor
 bytes during one step, ``MemTracker``) as bench_fsdp measures them; ``mesh`` W or R x S.
 
-Before timing, every variant takes one step from the same weights and its loss afterwards must
-equal torch DDP's (relative 1e-4): the seven compute the same training step.
+Before timing, every variant takes two steps from the same weights (the second measures memory)
+and its loss afterwards must equal torch DDP's (relative 1e-4): the seven compute the same
+training step.
 """
 from __future__ import annotations
 
@@ -102,9 +103,11 @@ def run(ctx: BenchContext, **columns) -> List[Dict]:
         model, opt, mesh = build(name, base, ctx, meshes)
         step = bench_fsdp.step_fn(model, opt, x, y)
         step()
-        with torch.no_grad():  # one step from the same weights: the same model
-            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
+        # memory before the loss: after a no-grad forward FSDP2 reshards its root, and MemTracker
+        # would then miss the root's shards in the next step (bench_fsdp.run)
         extra[name] = {"mesh": mesh, **_memory(model, opt, step)}
+        with torch.no_grad():  # two steps from the same weights: the same model
+            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
         timers[name] = step
         live.append((model, opt))
     want = losses["torch-ddp"]
