@@ -12,7 +12,14 @@ Rows (``method``):
   comm alone      one step's collectives, on buffers of pyfused's unit sizes: every unit's all-gather
                   for forward, again for backward (the root's once) and its reduce-scatter, launched
                   in that order one at a time and waited (no compute)
-Times: the four are timed round-robin (``interleaved_samples``), at least ``MIN_SAMPLES`` steps
+  ... hsdp        the same three on HSDP's 2-D (replicate, shard) mesh (``mesh`` column R x S):
+                  gathers and reduce-scatters within a shard group, then (comm alone) each unit's
+                  gradient shard all-reduced across its replicate group; ``speedup`` against
+                  ``torch-fsdp2 hsdp``. The mesh: one replica per host where the ranks span hosts
+                  evenly (R hosts x S ranks, ``pyfused.comm.host_mesh()``), else 2 x W/2 on one
+                  host; no HSDP rows below 4 ranks, where a 2-D mesh has a dim of 1 (FSDP or DDP
+                  with extra bookkeeping: nothing hybrid to measure) -- ``--world 4``.
+Times: all rows are timed round-robin (``interleaved_samples``), at least ``MIN_SAMPLES`` steps
 each outside ``--quick`` (``samples``). ``time_ms`` is the best sample, as ``timeit`` reports: on
 a machine shared with other jobs, interference only ever adds time, so the fastest step is the
 closest estimate of a step's own cost; ``median_ms`` is the median sample, whose distance from the
@@ -29,7 +36,7 @@ Derived columns:
                 communication buffers, whichever implementation allocates them).
 Goals (reported, not asserted): step time <= 1.0 x torch FSDP2, peak_MB <= torch's.
 
-Standalone: ``torchrun --nproc-per-node 2 -m pyfused.benchmarks.bench_fsdp [--quick]``.
+Standalone: ``torchrun --nproc-per-node 4 -m pyfused.benchmarks.bench_fsdp [--quick]``.
 """
 from __future__ import annotations
 
@@ -126,25 +133,49 @@ def step_fn(model, opt, x, y) -> Callable[[], None]:
 
 
 def comm_alone(model: nn.Module, ctx) -> Callable[[], None]:
-    """pyfused's collectives of one step, one at a time, on buffers of its unit sizes."""
+    """pyfused's collectives of one step, one at a time, on buffers of its unit sizes (HSDP: within
+    the shard group, and each reduced shard all-reduced across the replicate group)."""
     units = [model._pyfused_fsdp] + [b._pyfused_fsdp for b in model.blocks]
-    w, g, dev = ctx.world, ctx.group, ctx.device
-    plan = []  # (kind, numel of one rank's shard)
+    dev = ctx.device
+    plan = []  # (kind, numel of one rank's shard, the unit's ParamGroup)
     for u in units:  # forward
-        plan.append(("gather", u.group.shard_numel))
+        plan.append(("gather", u.group.shard_numel, u.group))
     for u in reversed(units):  # backward: blocks gathered again, then every unit reduced
         if u is not units[0]:
-            plan.append(("gather", u.group.shard_numel))
-        plan.append(("reduce", u.group.grad_numel + len(u.group.trainable)))
-    bufs = [(kind, torch.zeros(n, device=dev), torch.zeros(w * n, device=dev)) for kind, n in plan]
+            plan.append(("gather", u.group.shard_numel, u.group))
+        plan.append(("reduce", u.group.grad_numel + len(u.group.trainable), u.group))
+        if u.group.replicas > 1:
+            plan.append(("all-reduce", u.group.grad_numel + len(u.group.trainable), u.group))
+    bufs = [(kind, torch.zeros(n, device=dev), torch.zeros(g.world * n, device=dev), g)
+            for kind, n, g in plan]
 
     def run():
-        for kind, shard, full in bufs:
+        for kind, shard, full, g in bufs:
             if kind == "gather":
-                comm.all_gather_single(full, shard, group=g)
+                comm.all_gather_single(full, shard, group=g.pg)
+            elif kind == "reduce":
+                comm.reduce_scatter_single(shard, full, group=g.pg)
             else:
-                comm.reduce_scatter_single(shard, full, group=g)
-    return run
+                dist.all_reduce(shard, group=g.replicate_pg)
+    return run, len(plan)
+
+
+def hsdp_mesh(ctx):
+    """HSDP's 2-D ("dp_replicate", "dp_shard") mesh of the bench's ranks (module docstring), or
+    None below 4 ranks or with an odd number on one host. Collective over the default group (the
+    bench's group must hold every rank)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else \
+        list(range(ctx.world))
+    layout = comm.host_layout(ctx.group)
+    if layout.spans_hosts and (layout.ranks_per_host or 0) >= 2:
+        rows = [[ranks[r] for r in layout.ranks_of(h)] for h in layout.names]
+    elif ctx.world >= 4 and ctx.world % 2 == 0:
+        rows = [ranks[:ctx.world // 2], ranks[ctx.world // 2:]]
+    else:
+        return None
+    return DeviceMesh(ctx.device.type, rows, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def local_bytes(model, opt) -> int:
@@ -186,53 +217,62 @@ def run(ctx) -> List[Dict]:
     y = torch.randn(shape.batch, 16, generator=gen).to(dev)
     torch.manual_seed(0)
     base = Model(shape).to(dev)
-    mesh = DeviceMesh.from_group(ctx.group, dev.type)
+    meshes = {"": DeviceMesh.from_group(ctx.group, dev.type)}
+    hsdp = hsdp_mesh(ctx)
+    if hsdp is not None:
+        meshes[" hsdp"] = hsdp
 
     local = copy.deepcopy(base)
     timers: Dict[str, Callable[[], None]] = {"compute alone": step_fn(local, make_opt(local), x, y)}
     memory: Dict[str, Dict] = {}
+    collectives: Dict[str, int] = {}
     live = []
-    losses = {}
-    for name in ("torch-fsdp2", "pyfused"):
-        model = sharded(name, base, mesh)
-        opt = make_opt(model)
-        step = step_fn(model, opt, x, y)
-        step()
-        # memory first: after a no-grad forward FSDP2 reshards its root, and MemTracker then misses
-        # the root's shards in the next step (0.5 MB less than FSDP2 holds on the CPU model)
-        memory[name] = {"state_MB": local_bytes(model, opt) / MB,
-                        "peak_MB": peak_bytes(model, opt, step) / MB}
-        with torch.no_grad():  # after two steps from the same weights: the same model
-            losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
-        if name == "pyfused":
-            timers["comm alone"] = comm_alone(model, ctx)
-        timers[name] = step
-        live.append((model, opt))
-    want, got = losses["torch-fsdp2"], losses["pyfused"]
-    if abs(got - want) > 1e-4 * abs(want):
-        raise RuntimeError(f"bench_fsdp: after one step pyfused's loss is {got}, torch FSDP2's "
-                           f"{want}; not timing a wrong result")
+    for suffix, mesh in meshes.items():
+        losses = {}
+        for name in ("torch-fsdp2", "pyfused"):
+            model = sharded(name, base, mesh)
+            opt = make_opt(model)
+            step = step_fn(model, opt, x, y)
+            step()
+            # memory first: after a no-grad forward FSDP2 reshards its root, and MemTracker then
+            # misses the root's shards in the next step (0.5 MB less than FSDP2 holds on the CPU
+            # model)
+            memory[name + suffix] = {"state_MB": local_bytes(model, opt) / MB,
+                                     "peak_MB": peak_bytes(model, opt, step) / MB}
+            with torch.no_grad():  # after two steps from the same weights: the same model
+                losses[name] = torch.nn.functional.mse_loss(model(x), y).item()
+            if name == "pyfused":
+                timers["comm alone" + suffix], collectives[suffix] = comm_alone(model, ctx)
+            timers[name + suffix] = step
+            live.append((model, opt))
+        want, got = losses["torch-fsdp2"], losses["pyfused"]
+        if abs(got - want) > 1e-4 * abs(want):
+            raise RuntimeError(f"bench_fsdp: after one step pyfused{suffix}'s loss is {got}, torch "
+                               f"FSDP2{suffix}'s {want}; not timing a wrong result")
     n = ctx.iters if ctx.quick else max(ctx.iters, MIN_SAMPLES)
     samples = interleaved_samples(timers, ctx, iters=n)
     t = {name: min(s) for name, s in samples.items()}
     med = {name: statistics.median(s) for name, s in samples.items()}
     rows = [op_row(ctx, shape=shape.label, dtype=torch.float32, method="compute alone",
                    transport="none", ms=t["compute alone"], median_ms=med["compute alone"],
-                   samples=n,
-                   note="one process, local batch, unsharded, no communication"),
-            op_row(ctx, shape=shape.label, dtype=torch.float32, method="comm alone",
-                   transport=ctx.transport, ms=t["comm alone"], median_ms=med["comm alone"],
-                   samples=n,
-                   note=f"{len(live[1][0].blocks) * 3 + 2} collectives of one step, serial")]
-    for name in ("torch-fsdp2", "pyfused"):
-        hidden = (t["compute alone"] + t["comm alone"] - t[name]) / t["comm alone"]
-        rows.append(op_row(ctx, shape=shape.label, dtype=torch.float32, method=name,
-                           transport=ctx.transport, ms=t[name], t_baseline=t["torch-fsdp2"],
-                           t_gemm=t["compute alone"], t_comm=t["comm alone"], comm_hidden=hidden,
-                           median_ms=med[name], median_speedup=med["torch-fsdp2"] / med[name],
-                           samples=n,
-                           note="goal: speedup >= 1.0, peak_MB <= torch's" if name == "pyfused"
-                           else "", **memory[name]))
+                   samples=n, mesh="1",
+                   note="one process, local batch, unsharded, no communication")]
+    for suffix, mesh in meshes.items():
+        label = "x".join(str(d) for d in mesh.shape)
+        comm_name, base_name = "comm alone" + suffix, "torch-fsdp2" + suffix
+        rows.append(op_row(ctx, shape=shape.label, dtype=torch.float32, method=comm_name,
+                           transport=ctx.transport, ms=t[comm_name], median_ms=med[comm_name],
+                           samples=n, mesh=label,
+                           note=f"{collectives[suffix]} collectives of one step, serial"))
+        for name in (base_name, "pyfused" + suffix):
+            hidden = (t["compute alone"] + t[comm_name] - t[name]) / t[comm_name]
+            rows.append(op_row(ctx, shape=shape.label, dtype=torch.float32, method=name,
+                               transport=ctx.transport, ms=t[name], t_baseline=t[base_name],
+                               t_gemm=t["compute alone"], t_comm=t[comm_name], comm_hidden=hidden,
+                               median_ms=med[name], median_speedup=med[base_name] / med[name],
+                               samples=n, mesh=label,
+                               note="goal: speedup >= 1.0, peak_MB <= torch's"
+                               if name.startswith("pyfused") else "", **memory[name]))
     del live
     return rows
 
@@ -255,8 +295,8 @@ def _main() -> None:  # torchrun --nproc-per-node N -m pyfused.benchmarks.bench_
                        args.iters or iters, {"shapes": args.shapes})
     rows = run(ctx)
     if rank == 0:
-        cols = ("method", "time_ms", "median_ms", "speedup", "median_speedup", "comm_hidden",
-                "state_MB", "peak_MB")
+        cols = ("method", "mesh", "time_ms", "median_ms", "speedup", "median_speedup",
+                "comm_hidden", "state_MB", "peak_MB")
         print(f"{rows[0]['shape']}  world={world}  backend={backend}")
         print("  ".join(f"{c:>14}" for c in cols))
         for r in rows:

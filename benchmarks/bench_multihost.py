@@ -1,4 +1,6 @@
-"""Across hosts: the host-aware all-reduce against the flat one, by message size.
+"""Across hosts: the host-aware all-reduce against the flat one, by message size; then one
+training step of DDP, ZeRO-2, FSDP and HSDP, pyfused against torch DDP and FSDP2 (flat and HSDP)
+in the same run (benchmarks/multihost_steps.py: its rows and columns).
 
 Rows (``method``), per size S (fp32 buffers of 1-64 MiB; ``--quick``: 1 and 4 MiB):
   flat          ``dist.all_reduce`` over the suite's group (gloo's ring over every rank; the
@@ -37,6 +39,8 @@ from pyfused import comm
 from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, op_row, time_interleaved
 from pyfused.comm.hierarchical import HostAllReduce
+
+from . import multihost_steps
 
 MULTI_RANK = True
 MIB = 1 << 20
@@ -88,7 +92,8 @@ def run(ctx: BenchContext) -> List[Dict]:
         note = draw(rows, out / PLOT)
         for row in rows:
             row["plot"] = "" if note else str(out / PLOT)
-    return rows
+    columns = {k: common[k] for k in ("hosts", "ranks_per_host", "link")}
+    return rows + multihost_steps.run(ctx, **columns)
 
 
 def draw(rows: List[Dict], png: Path) -> str:
@@ -103,6 +108,7 @@ def draw(rows: List[Dict], png: Path) -> str:
         return "plot skipped: matplotlib is not installed (pip install matplotlib)"
     try:
         png.parent.mkdir(parents=True, exist_ok=True)
+        rows = [r for r in rows if r.get("size_MiB")]  # the all-reduce rows, not the steps'
         by_method: Dict[str, Dict[float, float]] = {}
         for r in rows:
             if r.get("time_ms") and r["time_ms"] == r["time_ms"]:

@@ -163,8 +163,9 @@ def ddp_error(rank: int, world: int, **kwargs) -> Dict[str, Optional[str]]:
 
 
 def bench_rows(rank: int, world: int) -> List[Dict]:
-    """The multihost suite's rows at its quick sizes, one timed iteration (its checks run; its
-    timings are a benchmark's, never asserted). Its plot goes to a temporary folder."""
+    """The multihost suite's rows at its quick sizes, one timed iteration (its checks run: the
+    all-reduces' sums and the training steps' losses; its timings are a benchmark's, never
+    asserted). Its plot goes to a temporary folder."""
     import tempfile
 
     from benchmarks import bench_multihost
@@ -174,4 +175,40 @@ def bench_rows(rank: int, world: int) -> List[Dict]:
         ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
                            warmup=0, iters=1, options={"out": out})
         rows = bench_multihost.run(ctx)
-    return [{k: r.get(k) for k in ("shape", "method", "status", "speedup", "hosts")} for r in rows]
+    keys = ("shape", "method", "status", "speedup", "hosts", "mesh", "baseline", "tokens_per_s")
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
+def hsdp_on_host_mesh(rank: int, world: int) -> Dict:
+    """HSDP on the host mesh (replicate across hosts, shard inside one: ``pyfused.comm.host_mesh``)
+    trains the MLP of tests/test_hsdp.py bit-identically to torch FSDP2's HSDP on the same mesh and
+    as one process trains it on the global batches (the tolerances of tests/test_hsdp.py), without
+    the host warning; the transposed mesh (shard across hosts) gets it on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import pyfused
+    from pyfused import comm
+    from pyfused.fsdp import mesh as mesh_mod
+    from tests import test_hsdp as T
+
+    mesh = comm.host_mesh()
+    want_first, _, want = T._train(rank, world, torch_fully_shard, mesh)
+    first, _, got = T._train(rank, world, pyfused.fully_shard, mesh)
+    assert sorted(first) == sorted(want_first)
+    for k, v in want_first.items():
+        assert torch.equal(first[k], v), f"step-0 gradient of {k}"
+    for k, v in want.items():
+        assert torch.equal(got[k], v), f"{k} after {T.STEPS} steps"
+    # one process on the global batches; an infinite max_norm leaves the gradients as they are
+    ref, _, ref_first = T.H.reference_training("mlp", T.STEPS, 1, T.ROWS, float("inf"))
+    assert sorted(first) == sorted(ref_first)
+    for k, v in ref_first.items():
+        assert_close(first[k], v, name=f"step-0 gradient of {k} against one process")
+    for k, v in ref.state_dict().items():  # the fp16 row: see tests/test_fsdp.py
+        assert_close(got[k], v, dtype=torch.float16, name=f"{k} against one process")
+    transposed = DeviceMesh(mesh.device_type, mesh.mesh.t(), mesh_dim_names=T.DIMS)
+    cpu = torch.device("cpu")
+    return {"mesh": list(mesh.shape),
+            "warning": mesh_mod.host_warning(mesh_mod.resolve(mesh, cpu)),
+            "transposed": mesh_mod.host_warning(mesh_mod.resolve(transposed, cpu))}

@@ -27,6 +27,7 @@ CHECKS = {
     "allreduce": C.host_all_reduce_equals_flat,
     "ddp": C.ddp_matches,
     "bench": C.bench_rows,
+    "hsdp": C.hsdp_on_host_mesh,
 }
 GROUP_TIMEOUT_S = 60
 ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",

@@ -164,3 +164,20 @@ def test_ddp_all_reduce_must_agree(ranks):
 def test_bench_suite_on_one_host_is_a_skipped_row(ranks):
     rows = ranks.run(2, C.bench_rows, timeout=TIMEOUT)
     assert len(rows[0]) == 1 and rows[0][0]["status"].startswith("skipped: needs several hosts")
+
+
+STEP_ROWS = [("torch-ddp", "4", "torch-ddp"), ("pyfused ddp", "4", "torch-ddp"),
+             ("pyfused zero2", "4", "torch-ddp"), ("torch-fsdp2", "4", "torch-fsdp2"),
+             ("pyfused fsdp", "4", "torch-fsdp2"), ("torch-fsdp2 hsdp", "2x2", "torch-fsdp2 hsdp"),
+             ("pyfused hsdp", "2x2", "torch-fsdp2 hsdp")]
+
+
+def test_bench_suite_on_two_hosts_has_every_row(ranks):
+    # the suite's checks run (equal sums, equal losses after one step); its timings are not asserted
+    out = ranks.run(4, _with_fake_hosts, 2, C.bench_rows, timeout=3 * TIMEOUT)
+    rows = out[0]
+    assert [(r["shape"], r["method"], r["status"]) for r in rows[:4]] == [
+        (f"{s} MiB", m, "ok") for s in (1, 4) for m in ("flat", "hierarchical")]
+    steps = rows[4:]
+    assert [(r["method"], r["mesh"], r["baseline"]) for r in steps] == STEP_ROWS, steps
+    assert all(r["status"] == "ok" and r["hosts"] == 2 and r["tokens_per_s"] > 0 for r in steps)

@@ -6,7 +6,8 @@ Each torchrun launch costs 20-40 s on the 2-core box (an agent and two ranks per
 torch), so one launch per bed runs every check in turn (tests/multihost_worker.py): the topology
 from torchrun's environment, the fused method refused across hosts, the host-aware all-reduce
 against the flat one, and DistributedDataParallel's ``auto`` choosing it and matching torch DDP and
-one process, and the multihost bench suite at its quick sizes (its timings are not asserted).
+one process, HSDP on the host mesh matching torch FSDP2's bit for bit, and the multihost bench suite
+at its quick sizes (its timings are not asserted).
 The two-host bed's links are shaped (10 Gbit/s), so the launch crosses the qdisc.
 """
 import socket
@@ -16,9 +17,10 @@ import pytest
 
 from benchmarks import multihost_testbed as mt
 from tests import multihost as M
+from tests.test_multihost import STEP_ROWS
 
 pytestmark = pytest.mark.slow
-CHECKS = ["layout", "fused", "allreduce", "ddp", "bench"]
+CHECKS = ["layout", "fused", "allreduce", "ddp", "hsdp", "bench"]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,15 @@ def test_two_hosts_under_torchrun(bed2, tmp_path):
                                               f"memory maps memory within one host only")
         assert o["fused"]["auto"] == "decomposed" and layout in o["fused"]["auto_reason"]
         assert o["ddp"]["method"] == "hierarchical" and layout in o["ddp"]["reason"]
+        assert o["hsdp"]["mesh"] == [2, 2] and o["hsdp"]["warning"] is None, o["hsdp"]
+        assert f"'{a}' (rank {o['rank'] % 2}), '{b}' (rank {o['rank'] % 2 + 2})" in \
+            o["hsdp"]["transposed"], o["hsdp"]
     assert [o["layout"]["local"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     bench = out[0]["bench"]  # the suite runs and checks its results; its timings are not asserted
-    assert [(r["shape"], r["method"], r["status"]) for r in bench] == [
+    assert [(r["shape"], r["method"], r["status"]) for r in bench[:4]] == [
         (f"{s} MiB", m, "ok") for s in (1, 4) for m in ("flat", "hierarchical")]
+    assert [(r["method"], r["mesh"], r["baseline"], r["status"]) for r in bench[4:]] == [
+        (*row, "ok") for row in STEP_ROWS]
 
 
 def test_links_are_shaped(bed2):

@@ -160,7 +160,7 @@ CASES = {
                     "pp=4 stages but the model has only 3 pipeline units"),
     # the options and the mesh, each checked before the agreement (parallelize/steps.py)
     "unnamed_mesh": (lambda r, w: build("llama"), {"mesh": ((4,), None)}, "mesh needs named dims"),
-    "dp_value": (lambda r, w: build("llama"), {"dp": "zero"}, "dp must be 'ddp' or 'fsdp', got 'zero'"),
+    "dp_value": (lambda r, w: build("llama"), {"dp": "zero"}, "dp must be 'ddp', 'fsdp' or 'hsdp', got 'zero'"),
     "pipeline_options_without_pp": (lambda r, w: build("llama"), {"n_microbatches": 2},
                                     "pipeline options ['n_microbatches'] given but the mesh has no pp "
                                     "dim > 1"),

@@ -18,10 +18,11 @@ def _mesh_matches(rank, world, family, shape, names, sp, pipeline_options, overr
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
+    from pyfused.parallelize.steps import MeshInfo
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dp = mesh.size(names.index("dp")) if "dp" in names else 1
-    dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
+    info = MeshInfo(mesh)  # dp: the "dp" dim, or HSDP's dp_replicate x dp_shard
+    dp, dp_rank = info.size["dp"], info.coord["dp"]
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)

@@ -6,6 +6,10 @@ different sizes and hang or corrupt. One fixed-size signature exchange carries e
 problem, options and a digest of its parameter list; only when the digests differ, the per-entry
 digests are all-gathered to find the first differing parameter and one more exchange describes it
 on every rank. Every rank then raises the same ``InputError``, before any other collective.
+
+An HSDP mesh (replicate, shard) has no group spanning it, so its exchanges are two all-gathers, over
+the shard group and then, of the rows gathered, over the replicate group: every rank ends with
+every rank's row, in mesh order, and decides from the same list. Ranks are named by global rank.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 
 from .. import comm
 from ..comm import InputError, Signature, TensorMeta
-from ..dp.checks import first_difference
+from ..comm.validate import differing_ops
 
 OP = "fully_shard"
 NAME_CHARS = 60
@@ -62,10 +66,50 @@ def local_error(params: Sequence[torch.Tensor], mixed_dtypes_ok: bool, options_o
     return 0
 
 
-def agree_unit(pg, entries: List[Tuple[str, torch.Tensor]], options: Tuple[int, ...],
+def _gather(groups, mine: torch.Tensor) -> torch.Tensor:
+    """Every mesh rank's ``mine`` (1-D int64), one row each in mesh order: an all-gather over each
+    of ``groups`` in turn (the shard group, then the replicate group, of the rows so far)."""
+    rows = mine.view(1, -1)
+    for pg in groups:
+        world = comm.world_size(pg)
+        if world > 1:
+            every = torch.empty(world * rows.numel(), dtype=rows.dtype, device=rows.device)
+            comm.all_gather_single(every, rows.reshape(-1), group=pg)
+            rows = every.view(-1, mine.numel())
+    return rows
+
+
+def _exchange(sm, sig: Signature) -> List[Signature]:
+    """``comm.exchange`` over the whole mesh ``sm`` (a ``mesh.ShardMesh``)."""
+    if len(sm.groups) == 1:
+        return comm.exchange(sm.shard_pg, sig)
+    if comm.validation_mode() == "off":
+        return [sig]
+    mine = torch.tensor(sig.encode(), dtype=torch.int64, device=comm.comm_device(sm.shard_pg))
+    with comm.failures_named(sig.name, sm.shard_pg, "cross-rank input check"):
+        rows = _gather(sm.groups, mine).tolist()
+    return [Signature.decode(r) for r in rows]
+
+
+def _agree(sm, sig: Signature, check) -> List[Signature]:
+    """``comm.agree`` over the whole mesh ``sm``."""
+    sigs = _exchange(sm, sig)
+    if len(sm.groups) == 1:
+        msg = differing_ops(sm.shard_pg, sigs, "the op called")
+    else:
+        msg = comm.differs(sigs, "the op called", lambda s: s.op, lambda s: s.name)
+    if msg is None:
+        msg = check(sigs)
+    if msg is not None:
+        raise InputError(f"pyfused.{sig.name}: {msg}")
+    return sigs
+
+
+def agree_unit(sm, entries: List[Tuple[str, torch.Tensor]], options: Tuple[int, ...],
                mixed_dtypes_ok: bool = False, options_ok: bool = True) -> None:
-    """Raise the same ``InputError`` on every rank of ``pg`` unless all ranks shard identical
-    parameters (``entries``: (name, parameter)) with identical ``options`` (small ints)."""
+    """Raise the same ``InputError`` on every rank of the mesh ``sm`` (a ``mesh.ShardMesh``) unless
+    all ranks shard identical parameters (``entries``: (name, parameter)) with identical
+    ``options`` (small ints)."""
     params = [t for _, t in entries]
     err = local_error(params, mixed_dtypes_ok, options_ok)
     descs = [_describe(n, t) for n, t in entries]
@@ -73,28 +117,56 @@ def agree_unit(pg, entries: List[Tuple[str, torch.Tensor]], options: Tuple[int, 
     sig = Signature(comm.op_code(OP), (err, len(entries), digest, *options),
                     (TensorMeta.of(params[0] if params else None),))
 
+    ranks = _rank_names(sm)
+
     def check(sigs: List[Signature]) -> Optional[str]:
         for r, s in enumerate(sigs):
             if s.ints[0]:
-                where = f" on rank {r}" if len(sigs) > 1 else ""
+                where = f" on rank {ranks[r]}" if len(sigs) > 1 else ""
                 return f"cannot shard the module{where}: {ERRORS[s.ints[0]]}"
-        return comm.differs(sigs, "the options (reshard_after_forward, mp_policy dtypes)",
-                            lambda s: s.ints[3:])
+        for r, s in enumerate(sigs):
+            if s.ints[3:] != sigs[0].ints[3:]:
+                return (f"the options (reshard_after_forward, mp_policy dtypes) differs between "
+                        f"ranks: rank {ranks[0]} has {sigs[0].ints[3:]}, rank {ranks[r]} has "
+                        f"{s.ints[3:]}")
+        return None
 
-    sigs = comm.agree(pg, sig, check)
+    sigs = _agree(sm, sig, check)
     if all(s.ints[1:3] == sigs[0].ints[1:3] for s in sigs):
         return
-    _raise_first_difference(pg, sigs, entries, descs)
+    _raise_first_difference(sm, sigs, entries, descs)
 
 
-def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]) -> None:
-    idx = first_difference(pg, sigs, descs)
+def _rank_names(sm) -> List[int]:
+    """The rank each exchanged row is named by: the group rank for a 1-D mesh (the global rank
+    with the default group), the global rank for HSDP (its rows are in mesh order)."""
+    return list(range(sm.shards)) if len(sm.groups) == 1 else sm.ranks
+
+
+def _first_difference(sm, sigs: List[Signature], descs: List[str]) -> int:
+    """Index of the first entry whose description differs between the mesh's ranks (collective);
+    the shortest rank's entry count when every entry they all have agrees. ``sigs[r].ints[1]``:
+    rank r's entry count."""
+    common = min(s.ints[1] for s in sigs)
+    mine = torch.tensor([_digest(d) for d in descs[:common]] or [0], dtype=torch.int64,
+                        device=comm.comm_device(sm.shard_pg))
+    table = _gather(sm.groups, mine).cpu()
+    if common:
+        diff = (table != table[0]).any(dim=0).nonzero()
+        if diff.numel():
+            return int(diff[0, 0])
+    return common
+
+
+def _raise_first_difference(sm, sigs: List[Signature], entries, descs: List[str]) -> None:
+    idx = _first_difference(sm, sigs, descs)
     name, t = entries[idx] if idx < len(entries) else ("", None)
     chars = [ord(c) & 0x10FFFF for c in name[:NAME_CHARS]]
     detail = Signature(comm.op_code(OP + ".entry"),
                        (idx, int(t is not None), int(t.requires_grad) if t is not None else 0,
                         len(chars), *chars), (TensorMeta.of(t),))
-    rows = comm.exchange(pg, detail)
+    rows = _exchange(sm, detail)
+    ranks = _rank_names(sm)
 
     def show(s: Signature) -> str:
         if not s.ints[1]:
@@ -103,8 +175,8 @@ def _raise_first_difference(pg, sigs: List[Signature], entries, descs: List[str]
         grad = ", requires_grad" if s.ints[2] else ""
         return f"'{nm}' {s.tensors[0].describe()}{grad}"
 
-    counts = ", ".join(f"rank {r}: {s.ints[1]}" for r, s in enumerate(sigs))
-    shown = "; ".join(f"rank {r} has {show(s)}" for r, s in enumerate(rows)
+    counts = ", ".join(f"rank {ranks[r]}: {s.ints[1]}" for r, s in enumerate(sigs))
+    shown = "; ".join(f"rank {ranks[r]} has {show(s)}" for r, s in enumerate(rows)
                       if r == 0 or s != rows[0])
     raise InputError(f"pyfused.{OP}: the module's parameters differ between ranks at parameter "
                      f"#{idx}: {shown}. Every rank must shard an identical module (parameter "

@@ -88,13 +88,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_full_into(t: torch.Tensor, value: torch.Tensor) -> None:
-    """``t.copy_(value)``; for a dim-0-sharded DTensor only this rank's rows are copied (no
-    communication)."""
+    """``t.copy_(value)``; for a dim-0-sharded DTensor (FSDP's, or HSDP's replicated over its
+    first mesh dim) only this rank's rows are copied (no communication)."""
     if not isinstance(t, DTensor):
         t.copy_(value)
         return
-    mesh = t.device_mesh
-    world, rank, rows = mesh.size(), mesh.get_local_rank(), value.shape[0]
+    mesh, dim = t.device_mesh, t.device_mesh.ndim - 1  # the shard dim: the last
+    world, rank, rows = mesh.size(dim), mesh.get_local_rank(dim), value.shape[0]
     chunk = -(-rows // world)
     lo = min(rank * chunk, rows)
     t._local_tensor.copy_(value[lo:min(lo + chunk, rows)])

@@ -6,7 +6,10 @@
 
 Each call makes ``module`` one *unit*: its parameters (those not already in a unit below it) are
 sharded along dim 0 over the 1-D data-parallel ``mesh`` (None: the default group) and replaced by
-``DTensor`` parameters (group.py). The module's class becomes ``FSDP<Class>`` (an ``FSDPModule``).
+``DTensor`` parameters (group.py). A 2-D ``mesh`` is HSDP's (replicate, shard): the parameters are
+sharded over its shard dim and replicated across its replicate dim, and each reduce-scattered
+gradient shard is all-reduced across the replicate dim (mesh.py). The module's class becomes
+``FSDP<Class>`` (an ``FSDPModule``).
 
 Schedule (hooks; the unit whose forward runs first is the root, which owns the iteration):
   * pre-forward: wait for this unit's gather (launching it if no one did), then launch the gather of
@@ -19,7 +22,9 @@ Schedule (hooks; the unit whose forward runs first is the root, which owns the i
     finished just before this one's (for the root, whose forward finishes last: the last block).
   * post-backward (``_PostBackward.backward``: gradients have reached the unit's inputs, so its
     parameters' gradients are complete): launch the reduce-scatter of its gradients, free the
-    gathered parameters and gradients, and finish the previous unit's reduce-scatter.
+    gathered parameters and gradients, and advance the reductions launched before: the previous
+    unit's reduce-scatter is finished (HSDP: its all-reduce across replicas launched, which the
+    next unit's post-backward finishes).
   * end of backward (an autograd engine callback): units whose post-backward did not run (inputs
     without gradient, such as the root's token ids) reduce now; all reduce-scatters are waited for
     and the sharded ``.grad`` written, so ``optimizer.step()`` sees finished gradients.
@@ -40,12 +45,11 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import comm
 from . import checks
+from . import mesh as mesh_mod
 from .group import SHARDED, UNSHARDED, ParamGroup, ShardedParam, set_param
 
 try:
@@ -85,7 +89,7 @@ class Tree:
         self.order: List[Unit] = []          # this forward's units, in the order they started
         self.post_order: List[Unit] = []     # ... in the order they finished (backward reverses it)
         self.last_order: List[Unit] = units  # the previous forward's (prefetch follows it)
-        self.pending: List[tuple] = []       # launched reduce-scatters: (unit, handle)
+        self.pending: List[tuple] = []       # reductions in flight: (unit, group.Reduction)
         self.callback_queued = False
         self.peak_gathered = 0                # bytes, for tests and the benchmark
 
@@ -123,8 +127,8 @@ class Tree:
         for u in reversed(self.order):
             if u.sync and u.backward_calls < u.forward_calls:
                 u.post_backward(final=True)
-        for u, handle in self.pending:
-            u.group.finish_reduce(handle)
+        for u, reduction in self.pending:
+            u.group.finish_reduce(reduction)
         self.pending = []
         for u in self.units:
             if u.sync:
@@ -241,13 +245,13 @@ class Unit:
             return
         if self.group.state != UNSHARDED:
             return  # never gathered for this backward: no gradient can exist
-        handle = self.group.start_reduce()
+        reduction = self.group.start_reduce()
         if self.reshard_after_backward:
             self.group.reshard()
         tree = self.tree
-        previous, tree.pending = tree.pending, [(self, handle)]
-        for u, h in previous:
-            u.group.finish_reduce(h)
+        # the earlier reductions had this unit's whole backward to run: one stage on each
+        tree.pending = [(u, r) for u, r in tree.pending if not u.group.advance_reduce(r)]
+        tree.pending.append((self, reduction))
 
 
 def _cast_floats(tree, dtype):
@@ -264,9 +268,18 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """False: backward accumulates unsharded gradients and keeps parameters gathered; the next
-        backward with True reduce-scatters the accumulated sum once."""
+        backward with True reduce-scatters the accumulated sum once. With HSDP this switches the
+        all-reduce across replicas too, as FSDP2's does."""
         for u in self._units(recurse):
             u.sync = bool(requires_gradient_sync)
+            u.group.all_reduce = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        """HSDP: False reduce-scatters each backward's gradients within the shard group but keeps
+        the shards, not all-reduced across replicas; the next backward with True adds them before
+        its all-reduce (FSDP2's accumulation with reduce-scatter only). No effect with a 1-D mesh."""
+        for u in self._units(recurse):
+            u.group.all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         for u in self._units(recurse):
@@ -312,20 +325,6 @@ def _fsdp_class(cls: type) -> type:
     return _classes[cls]
 
 
-def _resolve_mesh(mesh, device: torch.device):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if mesh is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("pyfused.fully_shard needs torch.distributed initialised (torchrun, or "
-                               "init_process_group) or a DeviceMesh")
-        return DeviceMesh.from_group(dist.group.WORLD, device.type)
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError("pyfused.fully_shard: mesh must be None or a 1-D DeviceMesh (the "
-                         "data-parallel dim, e.g. mesh['dp'])")
-    return mesh
-
-
 def _unit_params(module: nn.Module):
     """{id: (param, [(owner module, attribute name)], qualified name)} of the parameters in
     ``module``'s tree outside units below it, in registration order."""
@@ -352,36 +351,38 @@ def _dtype_code(dtype) -> int:
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional[bool] = True,
                 mp_policy=None) -> nn.Module:
-    """Shard ``module``'s parameters over ``mesh`` and install the gather / reduce-scatter hooks
-    (module docstring). Returns ``module`` (its class is now an ``FSDPModule``)."""
+    """Shard ``module``'s parameters over ``mesh`` (None: the default group; a 1-D DeviceMesh; or
+    HSDP's 2-D (replicate, shard) DeviceMesh) and install the gather / reduce-scatter hooks (module
+    docstring). Returns ``module`` (its class is now an ``FSDPModule``)."""
     if isinstance(module, FSDPModule):
         raise ValueError("pyfused.fully_shard: this module is already sharded")
     entries = _unit_params(module)
     device = entries[0][0].device if entries else torch.device("cpu")
-    mesh = _resolve_mesh(mesh, device)
-    pg = mesh.get_group()
-    world, rank = comm.world_size(pg), comm.rank(pg)
+    sm = mesh_mod.resolve(mesh, device)
+    pg, world = sm.shard_pg, sm.shards
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     valid = reshard_after_forward in (None, True, False) and -1 not in (
         _dtype_code(param_dtype), _dtype_code(reduce_dtype))
     options = (2 if reshard_after_forward is None else int(bool(reshard_after_forward)),
                _dtype_code(param_dtype), _dtype_code(reduce_dtype))
-    checks.agree_unit(pg, [(name, p) for p, _, name in entries], options,
+    checks.agree_unit(sm, [(name, p) for p, _, name in entries], options,
                       mixed_dtypes_ok=param_dtype is not None, options_ok=valid)
+    mesh_mod.host_warning(sm)
 
     key = (pg, device)
     owner = _owners.setdefault(key, ShardOwner(pg, world, device))
     params = []
     for p, owners, _ in entries:
         compute = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
-        sp = ShardedParam(owners, p, mesh, rank, world, compute)
+        sp = ShardedParam(owners, p, sm.mesh, sm.shard_rank, world, compute, sm.placements)
         for m, name in owners:
             set_param(m, name, sp.sharded)
         owner.add(sp.sharded)
         params.append(sp)
     compute_dtype = param_dtype or (params[0].local.dtype if params else torch.float32)
-    group = ParamGroup(params, pg, world, compute_dtype, reduce_dtype or compute_dtype, device)
+    group = ParamGroup(params, pg, world, compute_dtype, reduce_dtype or compute_dtype, device,
+                       sm.replicate_pg, sm.replicas)
     module.__class__ = _fsdp_class(type(module))
     module._pyfused_fsdp = Unit(module, group, reshard_after_forward, mp_policy)
     return module

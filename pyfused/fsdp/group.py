@@ -31,6 +31,16 @@ the first gradient of a parameter is copied in, the later ones added, each backw
 leaving the leaf as soon as it is folded in. The synchronising backward adds its gradient, scales
 the buffer by 1/world and reduce-scatters it in place of a fresh buffer. With equal dtypes
 autograd sums the micro-steps on the leaves, as in FSDP2.
+
+HSDP (a 2-D (replicate, shard) mesh, mesh.py). The layout, gather and reduce-scatter above run
+within the shard group (``world`` is its size), with the gradients scaled by 1/(replicas x world);
+the reduce-scatter's output, this rank's shard of the shard group's sum, is then all-reduced across
+the replicate group together with the flags, in one coalesced call, before it becomes ``.grad``. A
+reduction therefore advances in two stages (``Reduction``), so that the all-reduce of one unit runs
+while the next unit's backward computes. ``all_reduce = False`` (FSDP2's
+``set_requires_all_reduce(False)``) keeps the reduce-scattered shards in ``partial`` instead (the
+reduce dtype, already scaled by 1/(R x S)): the next reduction that all-reduces adds them first, so
+gradient accumulation over micro-steps crosses the replicate groups once.
 """
 from __future__ import annotations
 
@@ -46,6 +56,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..comm import all_gather_single, failures_named, rank, reduce_scatter_single
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+# the stages of a gradient reduction (``Reduction``)
+REDUCE_SCATTERING, ALL_REDUCING, REDUCED = "reduce-scattering", "all-reducing", "reduced"
 
 
 def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -69,7 +81,7 @@ class ShardedParam:
     """One parameter: where the module holds it, this rank's shard and its gathered leaf."""
 
     def __init__(self, owners: List[Tuple[nn.Module, str]], full: Tensor, mesh, rank: int,
-                 world: int, compute_dtype: torch.dtype):
+                 world: int, compute_dtype: torch.dtype, placements: Tuple = (Shard(0),)):
         self.owners = owners  # (module, attribute name); several for a tied parameter
         self.shape = tuple(full.shape)
         self.rows = self.shape[0]
@@ -80,6 +92,7 @@ class ShardedParam:
         lo = min(rank * self.chunk, self.rows)
         self.local_rows = min(lo + self.chunk, self.rows) - lo
         self.mesh = mesh
+        self.placements = tuple(placements)  # (Shard(0),), or HSDP's (Replicate(), Shard(0))
         self.stride = _contiguous_stride(self.shape)
         self.world = world
         local = full.detach()[lo:lo + self.local_rows].clone().contiguous()
@@ -92,8 +105,8 @@ class ShardedParam:
         self.grad_hooks = list((full._backward_hooks or {}).values())
 
     def as_dtensor(self, local: Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=self.shape,
-                                  stride=self.stride)
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
 
     def grad_dtensor(self, local: Tensor) -> DTensor:
         """``local`` (this rank's gradient rows, the shard's dtype) as a DTensor of the shard's
@@ -145,15 +158,33 @@ class ShardedParam:
                 dst[r * self.chunk:r * self.chunk + n].copy_(src[r, :n])
 
 
+class Reduction:
+    """One unit's gradient reduction in flight: the reduce-scatter over the shard group, then (HSDP,
+    ``all_reduce``) the all-reduce across the replicate group. ``work`` is the collective of the
+    current ``stage``; ``out`` and ``used`` its gradient and flag buffers."""
+
+    __slots__ = ("work", "out", "used", "all_reduce", "stage")
+
+    def __init__(self, work, out: Tensor, used: Tensor, all_reduce: bool):
+        self.work, self.out, self.used = work, out, used
+        self.all_reduce = all_reduce
+        self.stage = REDUCE_SCATTERING
+
+
 class ParamGroup:
-    """The parameters of one ``fully_shard`` unit and its gather / reduce-scatter."""
+    """The parameters of one ``fully_shard`` unit and its gather / reduce-scatter (and, HSDP,
+    all-reduce across the replicate group ``replicate_pg`` of ``replicas`` ranks)."""
 
     def __init__(self, params: List[ShardedParam], pg, world: int, compute_dtype, reduce_dtype,
-                 device: torch.device):
+                 device: torch.device, replicate_pg=None, replicas: int = 1):
         self.params = params
         self.pg = pg
         self.world = world
         self.rank = rank(pg) if world > 1 else 0
+        self.replicate_pg = replicate_pg
+        self.replicas = replicas
+        self.all_reduce = True  # False: keep reduce-scattered shards in ``partial`` (HSDP)
+        self.partial: Optional[Tuple[Tensor, Tensor]] = None  # (gradients, flags) not all-reduced
         self.device = device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
@@ -272,9 +303,10 @@ class ParamGroup:
             p.leaf.grad = None
 
     def _reduce_input(self) -> Tuple[Tensor, Tensor]:
-        """The reduce-scatter's input, scaled by 1/world: the leaves' gradients (released), added
-        to what backwards without sync accumulated; and the "has a gradient" flags."""
-        scale = 1.0 / self.world
+        """The reduce-scatter's input, scaled by 1/(replicas x world): the leaves' gradients
+        (released), added to what backwards without sync accumulated; and the "has a gradient"
+        flags."""
+        scale = 1.0 / (self.replicas * self.world)
         if self.accumulated is not None:
             self.accumulate_grads()
             buf, has = self.accumulated, self.accumulated_has
@@ -312,14 +344,16 @@ class ParamGroup:
         return buf, flags
 
     @torch.no_grad()
-    def start_reduce(self):
+    def start_reduce(self) -> Optional[Reduction]:
         """Launch the reduce-scatter of the unit's gradients (asynchronous; ``_reduce_input``).
-        Returns a handle for ``finish_reduce``; None when the unit has nothing trainable."""
+        Returns the ``Reduction`` for ``advance_reduce`` / ``finish_reduce``; None when the unit has
+        nothing trainable."""
         if not self.trainable:
             return None
         buf, flags = self._reduce_input()
+        all_reduce = self.all_reduce and self.replicate_pg is not None
         if self.world == 1:
-            return (None, buf.view(-1), flags.view(-1))
+            return Reduction(None, buf.view(-1), flags.view(-1), all_reduce)
         out = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
         used = torch.empty(len(self.trainable), dtype=self.reduce_dtype, device=self.device)
         with failures_named("fully_shard", self.pg, "gradient reduce-scatter"):
@@ -328,17 +362,56 @@ class ParamGroup:
             with dist._coalescing_manager(group=self.pg, async_ops=True) as work:
                 reduce_scatter_single(out, buf.view(-1), group=self.pg)
                 reduce_scatter_single(used, flags.view(-1), group=self.pg)
-        return (work, out, used)
+        return Reduction(work, out, used, all_reduce)
 
     @torch.no_grad()
-    def finish_reduce(self, handle) -> None:
-        """Wait for a reduce-scatter and add its result to the sharded parameters' ``.grad``."""
-        if handle is None:
-            return
-        work, out, used = handle
-        if work is not None:
-            with failures_named("fully_shard", self.pg, "gradient reduce-scatter"):
-                work.wait()
+    def advance_reduce(self, red: Optional[Reduction]) -> bool:
+        """Move ``red`` on by one stage, waiting for its current collective; True once the sharded
+        ``.grad`` holds its result (or ``partial`` does, without ``all_reduce``). After the
+        reduce-scatter, an HSDP reduction adds ``partial`` and launches the all-reduce across
+        replicas (asynchronous: the next call waits for it)."""
+        if red is None or red.stage == REDUCED:
+            return True
+        if red.work is not None:
+            stage = "gradient reduce-scatter" if red.stage == REDUCE_SCATTERING else \
+                "gradient all-reduce across replicas"
+            pg = self.pg if red.stage == REDUCE_SCATTERING else self.replicate_pg
+            with failures_named("fully_shard", pg, stage):
+                red.work.wait()
+            red.work = None
+        if red.stage == REDUCE_SCATTERING and self.replicate_pg is not None:
+            if not red.all_reduce:  # accumulate the shards; the next all-reduce adds them
+                if self.partial is None:
+                    self.partial = (red.out, red.used)
+                else:
+                    self.partial[0].add_(red.out)
+                    self.partial[1].add_(red.used)
+                red.stage = REDUCED
+                return True
+            if self.partial is not None:
+                red.out.add_(self.partial[0])
+                red.used.add_(self.partial[1])
+                self.partial = None
+            red.stage = ALL_REDUCING
+            if self.replicas > 1:
+                with failures_named("fully_shard", self.replicate_pg,
+                                    "gradient all-reduce across replicas"):
+                    with dist._coalescing_manager(group=self.replicate_pg, async_ops=True) as work:
+                        dist.all_reduce(red.out, group=self.replicate_pg)
+                        dist.all_reduce(red.used, group=self.replicate_pg)
+                red.work = work
+                return False
+        self._write_grads(red.out, red.used)
+        red.stage = REDUCED
+        return True
+
+    def finish_reduce(self, red: Optional[Reduction]) -> None:
+        """Complete ``red``: wait for its collectives and write the sharded ``.grad``."""
+        while not self.advance_reduce(red):
+            pass
+
+    def _write_grads(self, out: Tensor, used: Tensor) -> None:
+        """Add the reduced gradients ``out`` to the sharded parameters' ``.grad``."""
         used = used.tolist()
         for j, (i, off) in enumerate(zip(self.trainable, self.grad_offsets)):
             if used[j] == 0:

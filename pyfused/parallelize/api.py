@@ -9,8 +9,9 @@
      mesh (dim names, and the global ranks of each named group), plan and options, and any rank's
      problem is raised on every rank with the same message -- before any other collective;
   3. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
-  4. ``apply_fsdp`` (``dp="fsdp"``) or ``apply_ddp`` (``dp="ddp"``): data parallelism on the ``dp``
-     dim: ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
+  4. ``apply_fsdp`` (``dp="fsdp"``, or ``dp="hsdp"``) or ``apply_ddp`` (``dp="ddp"``): data
+     parallelism on the ``dp`` dim (HSDP: the ``dp_replicate`` x ``dp_shard`` dims):
+     ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
 With pp > 1, ``apply_pipeline`` takes the place of 3 and 4: this rank's pipeline stage
 (pipeline.py), whose modules get tensor parallelism, then data parallelism.
 
@@ -46,7 +47,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
     ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
-    stays within the mesh's dim groups.
+    stays within the mesh's dim groups. With ``dp="hsdp"`` the dims "dp_replicate", "dp_shard"
+    (adjacent, in that order) take the place of "dp".
     ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
@@ -58,7 +60,8 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     ``dp``: "ddp" (pyfused's DistributedDataParallel) or "fsdp" (``pyfused.fully_shard`` on the dp
     dim: each block a unit, then the model -- with pp > 1 this rank's stage module, whose units
     stay gathered through a step's microbatches and reduce-scatter once, on its last backward;
-    docs/FSDP.md).
+    docs/FSDP.md) or "hsdp" (``fully_shard`` on the 2-D ("dp_replicate", "dp_shard") mesh: sharded
+    within dp_shard, replicated across dp_replicate; pp = 1).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
@@ -76,7 +79,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
         stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
     else:
         apply_tp(model, resolved, tp)
-        runner = apply_fsdp(model, resolved, info, tp) if dp == "fsdp" else apply_ddp(model, info)
+        runner = apply_ddp(model, info) if dp == "ddp" else apply_fsdp(model, resolved, info, tp)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
     parallel = ParallelModel(model, info, tp, stage, data_parallel=dp, runner=runner,
@@ -110,8 +113,10 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "mesh_info", info)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
-        # parameters are DTensors over dp
-        object.__setattr__(self, "_dp_sharded", data_parallel == "fsdp" and info.size["dp"] > 1)
+        # parameters are DTensors over dp (HSDP: over dp_shard): the group their norms sum over
+        shard_dim = "dp_shard" if data_parallel == "hsdp" else "dp"
+        sharded = data_parallel != "ddp" and info.size[shard_dim] > 1
+        object.__setattr__(self, "_dp_shard_group", info.group[shard_dim] if sharded else None)
         object.__setattr__(self, "_runner", module if runner is None else runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
         object.__setattr__(self, "_recorder", report_mod.MethodRecorder())  # for the first call
@@ -235,8 +240,8 @@ class ParallelModel(nn.Module):
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         with comm.failures_named("parallelize clip_grad_norm_", _world_group()):
-            if self._dp_sharded:  # each dp rank holds other rows of every gradient
-                dist.all_reduce(parts, op=op, group=self.mesh_info.group["dp"])
+            if self._dp_shard_group is not None:  # each dp rank holds other rows of every gradient
+                dist.all_reduce(parts, op=op, group=self._dp_shard_group)
             if self._tp.world > 1:
                 dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
             total = parts.max() if inf else parts.sum()

@@ -145,16 +145,19 @@ class _Layout:
 
 def _rows_of_dtensor(t: "DTensor", boxes: List[Box]) -> Tuple[Tensor, List[Box]]:
     """This rank's local rows of a dim-0 sharded DTensor (``fully_shard`` on the dp dim, over a
-    tensor-parallel shard) and the parts of ``boxes`` (in the DTensor's global coordinates) that
-    fall in them, re-based on the local tensor."""
-    from torch.distributed.tensor import Shard
+    tensor-parallel shard; HSDP's is replicated over its first mesh dim) and the parts of ``boxes``
+    (in the DTensor's global coordinates) that fall in them, re-based on the local tensor."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    if len(t.placements) != 1 or t.placements[0] != Shard(0):
+    *replicated, sharded = t.placements
+    if sharded != Shard(0) or any(p != Replicate() for p in replicated):
         raise CheckpointError(f"pyfused checkpoint: a DTensor placed as {t.placements} on a "
-                              f"tensor-parallel shard is not supported (only fully_shard's Shard(0))")
+                              f"tensor-parallel shard is not supported (only fully_shard's Shard(0) "
+                              f"and HSDP's (Replicate(), Shard(0)))")
     local = t.to_local()
-    rows, n = t.shape[0], t.device_mesh.size()
-    first = t.device_mesh.get_local_rank() * -(-rows // n)  # torch.chunk's cut, as Shard(0)'s
+    dim = t.device_mesh.ndim - 1
+    rows, n = t.shape[0], t.device_mesh.size(dim)
+    first = t.device_mesh.get_local_rank(dim) * -(-rows // n)  # torch.chunk's cut, as Shard(0)'s
     last = first + local.shape[0]
     kept = []
     for lo, go, size in boxes:

@@ -119,7 +119,8 @@ class ParallelizeError(comm.InputError):
     """Raised by ``parallelize`` with the same message on every rank."""
 
 
-MESH_DIMS = ("dp", "pp", "tp")
+# "dp_replicate" x "dp_shard" (torchtitan's names) take the place of "dp" for dp="hsdp"
+MESH_DIMS = ("dp", "pp", "tp", "dp_replicate", "dp_shard")
 # what every rank of the mesh must hold alike, and how the error names it
 ALIKE = {
     "model": "the model (parameter and buffer names, shapes and dtypes, module types)",

@@ -9,6 +9,7 @@
   apply_pipeline      with pp > 1, in place of apply_tp and data parallelism: this rank's pipeline
                       stage, which applies both to the modules it keeps (pipeline.py);
   apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
+                      with dp="hsdp" on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP);
   apply_ddp           pyfused's DistributedDataParallel on the dp dim.
 
 Every step after the agreement runs the same collectives in the same order on every rank, since
@@ -34,11 +35,14 @@ except ImportError:  # pragma: no cover - torch without DeviceMesh
     DeviceMeshType = ()
 
 MESH_DIMS = checks_mod.MESH_DIMS
-DATA_PARALLEL = ("ddp", "fsdp")
+DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 class MeshInfo:
-    """Size, group and this rank's coordinate of each of dp / tp / pp (size 1 where absent)."""
+    """Size, group and this rank's coordinate of each of dp / tp / pp (size 1 where absent), and of
+    HSDP's dp_replicate / dp_shard. On an HSDP mesh "dp" is the data-parallel degree they make
+    together: size R x S, coordinate (replicate index) x S + (shard index), no group."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -52,11 +56,17 @@ class MeshInfo:
                 self.size[name] = mesh.size(i)
                 self.group[name] = mesh.get_group(name)
                 self.coord[name] = mesh.get_local_rank(name)
+        self.hsdp = all(d in names for d in HSDP_DIMS)
+        if self.hsdp:
+            self.size["dp"] = self.size["dp_replicate"] * self.size["dp_shard"]
+            self.coord["dp"] = (self.coord["dp_replicate"] * self.size["dp_shard"]
+                                + self.coord["dp_shard"])
         # the mesh's own groups would otherwise keep torch's default timeout (docs/FAULTS.md)
         comm.faults.inherit_default_timeout(self.group.values())
 
     def describe(self) -> str:
-        return " x ".join(f"{d}={self.size[d]}" for d in MESH_DIMS)
+        dims = ("dp_replicate", "dp_shard", "pp", "tp") if self.hsdp else ("dp", "pp", "tp")
+        return " x ".join(f"{d}={self.size[d]}" for d in dims)
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -95,11 +105,39 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
     if problem is None and pp > 1:
         problem = pp_mod.check(model, resolved, pp, pipeline_options)
     if problem is None and dp not in DATA_PARALLEL:
-        problem = f"dp must be 'ddp' or 'fsdp', got {dp!r}"
+        problem = f"dp must be 'ddp', 'fsdp' or 'hsdp', got {dp!r}"
+    if problem is None:
+        problem = data_parallel_problem(info, dp)
     if problem is None and pp == 1 and pipeline_options:
         problem = (f"pipeline options {sorted(pipeline_options)} given but the mesh has no pp "
                    "dim > 1")
     return info, resolved, problem
+
+
+def data_parallel_problem(info: MeshInfo, dp: str) -> Optional[str]:
+    """Why the mesh's data-parallel dims do not fit ``dp``, or None: dp="hsdp" takes the dims
+    "dp_replicate" and "dp_shard", adjacent and in that order (fully_shard's (replicate, shard)),
+    in place of "dp", without pipeline parallelism; "ddp" and "fsdp" take "dp"."""
+    names = info.names
+    hsdp_dims = [d for d in HSDP_DIMS if d in names]
+    example = ("e.g. init_device_mesh(device, (R, S, tp), mesh_dim_names=('dp_replicate', "
+               "'dp_shard', 'tp'))")
+    if dp != "hsdp":
+        if hsdp_dims:
+            return (f"the mesh dims {tuple(hsdp_dims)} are HSDP's: pass dp='hsdp' with both "
+                    f"'dp_replicate' and 'dp_shard', or name the data-parallel dim 'dp' for "
+                    f"dp={dp!r}; got mesh dims {names}")
+        return None
+    if "dp" in names or len(hsdp_dims) < 2:
+        return (f"dp='hsdp' needs the mesh dims 'dp_replicate' and 'dp_shard' (replicate across, "
+                f"shard within) in place of 'dp', {example}; got mesh dims {names}")
+    if names.index("dp_shard") != names.index("dp_replicate") + 1:
+        return (f"dp='hsdp' needs 'dp_shard' right after 'dp_replicate' (fully_shard reads the 2-D "
+                f"mesh as (replicate, shard)), {example}; got mesh dims {names}")
+    if info.size["pp"] > 1:
+        return ("dp='hsdp' is not composed with pipeline parallelism (pp > 1); use dp='fsdp' on a "
+                "'dp' dim")
+    return None
 
 
 def agree_across_ranks(model: nn.Module, mesh, info: Optional[MeshInfo], plan, options: tuple,
@@ -135,10 +173,12 @@ def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: Mes
 def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
                tp: tp_mod.TensorParallel) -> nn.Module:
     """``fully_shard`` over the dp dim, after TP (each block a unit, then the model; the TP specs
-    follow the parameters to their shards): the model, sharded in place (itself at dp = 1)."""
+    follow the parameters to their shards): the model, sharded in place (itself at dp = 1). On an
+    HSDP mesh over the 2-D ("dp_replicate", "dp_shard") mesh."""
     if info.size["dp"] > 1:
+        dp_mesh = info.mesh[HSDP_DIMS] if info.hsdp else info.mesh["dp"]
         fsdp_compose.shard_model(model, resolved.blocks[0] if resolved.blocks else None,
-                                 info.mesh["dp"], tp.param_specs)
+                                 dp_mesh, tp.param_specs)
     return model
 
 
