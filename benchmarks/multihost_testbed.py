@@ -23,8 +23,9 @@ and is not shaped.
 Processes. ``launch`` starts one command per host inside its namespace, in a session of its own,
 its output in a log file per host. ``stop`` ends every process that lives in a host namespace
 (SIGTERM, then SIGKILL after a grace period): torchrun's workers run in sessions of their own, so
-the namespace, not a process group, is what holds all of them. ``kill_host`` and ``cut_link`` /
-``restore_link`` act on one host, for failure tests.
+the namespace, not a process group, is what holds all of them. ``kill_host``, ``freeze_host`` and
+``cut_link`` / ``restore_link`` act on one host, for failure tests; ``Elastic`` gives a launch
+torchrun's elastic options (``--nnodes MIN:N``, ``--max-restarts``, rendezvous settings).
 
 By hand::
 
@@ -307,6 +308,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--delay", help="one-way host-to-host delay, e.g. 0.2ms")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every process "
                         "is stopped (default 1800)")
+    parser.add_argument("--min-nodes", type=int, help="elastic: torchrun --nnodes MIN:HOSTS "
+                        "(default: exactly HOSTS)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
+    parser.add_argument("--rdzv-conf", default="", help="more torchrun --rdzv-conf settings, e.g. "
+                        "last_call_timeout=5,keep_alive_interval=1")
     parser.add_argument("--logs", type=Path, default=Path("multihost_logs"))
     parser.add_argument("--clean", action="store_true", help="only remove stale beds and exit")
     args, rest = parser.parse_known_args(argv)
@@ -327,7 +333,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(ip netns exec {bed.namespace(i)} bash)")
             if bed.shaping:
                 print("   " + bed.qdiscs(i).strip().replace("\n", "\n   "))
-        launch = bed.launch(command, args.nproc_per_node)
+        elastic = Elastic(args.min_nodes or args.hosts, args.max_restarts,
+                          tuple(c for c in args.rdzv_conf.split(",") if c))
+        launch = bed.launch(command, args.nproc_per_node, elastic=elastic)
         print(f"logs: {', '.join(map(str, launch.logs))}", flush=True)
         try:
             codes = launch.wait(args.timeout)
