@@ -101,8 +101,9 @@ def _run_and_strike(case: str, tmp_path: Path, ckpt: Path, metrics: Path) -> dic
     and follow the survivors until their job finished; every process is ended on the way out."""
     argv = [str(TRAIN_LLM), *TRAIN_ARGS, "--save-every", str(SAVE_EVERY), "--ckpt-dir", str(ckpt),
             "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
-    # several agents: each worker group makes its own store (docs/CHECKPOINT.md)
-    env = dict(M.worker_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    # several agents: each worker group makes its own store (docs/CHECKPOINT.md); the agents log
+    # their restarts and rendezvous rounds (torchrun's LOGLEVEL), which a failure's log tails show
+    env = dict(M.worker_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")
     survivors = [h for h in range(HOSTS) if h != LOST]
     with M.testbed(HOSTS, log_dir=tmp_path) as bed:
         launch = bed.launch(argv, nproc_per_node=PER_HOST, env=env, log_dir=tmp_path,
