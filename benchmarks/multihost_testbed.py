@@ -23,8 +23,9 @@ and is not shaped.
 Processes. ``launch`` starts one command per host inside its namespace, in a session of its own,
 its output in a log file per host. ``stop`` ends every process that lives in a host namespace
 (SIGTERM, then SIGKILL after a grace period): torchrun's workers run in sessions of their own, so
-the namespace, not a process group, is what holds all of them. ``kill_host`` and ``cut_link`` /
-``restore_link`` act on one host, for failure tests.
+the namespace, not a process group, is what holds all of them. ``kill_host``, ``freeze_host`` and
+``cut_link`` / ``restore_link`` act on one host, for failure tests; ``Elastic`` gives a launch
+torchrun's elastic options (``--nnodes MIN:N``, ``--max-restarts``, rendezvous settings).
 
 By hand::
 
@@ -68,6 +69,17 @@ LAUNCH_ENV_DROP = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RA
                    "TORCHELASTIC_RUN_ID", "PYFUSED_HOST", "GLOO_SOCKET_IFNAME")
 
 
+@dataclass(frozen=True)
+class Elastic:
+    """torchrun's elastic options for a launch: ``--nnodes <min_nodes>:<hosts>``,
+    ``--max-restarts``, and rendezvous settings (``"last_call_timeout=5"``, ...) added to
+    ``--rdzv-conf``."""
+
+    min_nodes: int = 1
+    max_restarts: int = 0
+    rdzv_conf: Sequence[str] = ()
+
+
 @dataclass
 class Launch:
     """The processes of one launch (one per host) and their logs."""
@@ -77,13 +89,15 @@ class Launch:
     bed: "Testbed"
     returncodes: List[Optional[int]] = field(default_factory=list)
 
-    def wait(self, timeout: float) -> List[int]:
-        """Every host's exit status; past ``timeout`` seconds the bed's processes are stopped and
-        ``TestbedTimeout`` names the hosts still running, with the end of their logs."""
+    def wait(self, timeout: float, hosts: Optional[Sequence[int]] = None) -> List[int]:
+        """The exit status of every host (or of ``hosts``); past ``timeout`` seconds the bed's
+        processes are stopped and ``TestbedTimeout`` names the hosts still running, with the end of
+        their logs."""
+        hosts = range(len(self.procs)) if hosts is None else hosts
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and any(self.procs[i].poll() is None for i in hosts):
             time.sleep(0.2)
-        running = [i for i, p in enumerate(self.procs) if p.poll() is None]
+        running = [i for i in hosts if self.procs[i].poll() is None]
         if running:
             self.bed.stop()
             for p in self.procs:
@@ -91,7 +105,7 @@ class Launch:
             raise TestbedTimeout(f"host(s) {running} did not finish within {timeout:.0f} s; every "
                                  f"process of the bed was stopped\n{self.tails()}")
         self.returncodes = [p.returncode for p in self.procs]
-        return self.returncodes
+        return [self.returncodes[i] for i in hosts]
 
     def tails(self, lines: int = 40) -> str:
         parts = []
@@ -201,17 +215,23 @@ class Testbed:
         return env
 
     def torchrun_argv(self, host: int, command: Sequence[str], nproc_per_node: int = 2,
-                      run_id: str = "bed", port: int = RDZV_PORT) -> List[str]:
+                      run_id: str = "bed", port: int = RDZV_PORT,
+                      elastic: Optional[Elastic] = None) -> List[str]:
         """torchrun on host ``host``, joining the c10d rendezvous on host 0 (which hosts its store);
-        ``command`` is what torchrun runs: ``["-m", "module", ...]`` or ``["script.py", ...]``."""
+        ``command`` is what torchrun runs: ``["-m", "module", ...]`` or ``["script.py", ...]``.
+        Without ``elastic``: exactly the bed's hosts, no restart."""
+        elastic = elastic or Elastic(min_nodes=self.hosts)
+        conf = ",".join([f"is_host={int(host == 0)}", *elastic.rdzv_conf])
         return [sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(self.hosts), "--nproc-per-node", str(nproc_per_node),
+                "--nnodes", f"{elastic.min_nodes}:{self.hosts}",
+                "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
-                "--rdzv-id", run_id, "--rdzv-conf", f"is_host={int(host == 0)}",
-                "--local-addr", self.address(host), "--max-restarts", "0", *command]
+                "--rdzv-id", run_id, "--rdzv-conf", conf, "--local-addr", self.address(host),
+                "--max-restarts", str(elastic.max_restarts), *command]
 
     def launch(self, command: Sequence[str], nproc_per_node: int = 2,
-               env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None) -> Launch:
+               env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None,
+               elastic: Optional[Elastic] = None) -> Launch:
         """torchrun with ``command`` on every host at once; wait with ``Launch.wait``."""
         log_dir = Path(log_dir or self.log_dir or Path.cwd() / "multihost_logs")
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +242,7 @@ class Testbed:
         try:
             for i in range(self.hosts):
                 log = log_dir / f"launch{self.launches}_host{i}.log"
-                argv = self.torchrun_argv(i, command, nproc_per_node, run_id)
+                argv = self.torchrun_argv(i, command, nproc_per_node, run_id, elastic=elastic)
                 procs.append(self.popen(i, argv, host_env, log))
                 logs.append(log)
         except BaseException:
@@ -239,13 +259,21 @@ class Testbed:
     # ------------------------------------------------------------------ failures of one host
     def kill_host(self, host: int) -> List[int]:
         """SIGKILL every process of host ``host`` at once (a host that lost power)."""
-        pids = ip("netns", "pids", self.namespace(host), check=False).stdout.split()
+        return self._signal_host(host, signal.SIGKILL)
+
+    def _signal_host(self, host: int, sig: signal.Signals) -> List[int]:
+        pids = [int(p) for p in ip("netns", "pids", self.namespace(host), check=False).stdout.split()]
         for pid in pids:
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        return [int(p) for p in pids]
+        return pids
+
+    def freeze_host(self, host: int) -> List[int]:
+        """SIGSTOP every process of host ``host`` (a host that hangs: its sockets stay open, nothing
+        answers). ``kill_host`` or ``stop`` ends them (SIGKILL reaches a stopped process)."""
+        return self._signal_host(host, signal.SIGSTOP)
 
     def cut_link(self, host: int) -> None:
         """Take host ``host``'s link down: its processes live on, unreachable."""
@@ -280,6 +308,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--delay", help="one-way host-to-host delay, e.g. 0.2ms")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every process "
                         "is stopped (default 1800)")
+    parser.add_argument("--min-nodes", type=int, help="elastic: torchrun --nnodes MIN:HOSTS "
+                        "(default: exactly HOSTS)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
+    parser.add_argument("--rdzv-conf", default="", help="more torchrun --rdzv-conf settings, e.g. "
+                        "last_call_timeout=5,keep_alive_interval=1")
     parser.add_argument("--logs", type=Path, default=Path("multihost_logs"))
     parser.add_argument("--clean", action="store_true", help="only remove stale beds and exit")
     args, rest = parser.parse_known_args(argv)
@@ -300,7 +333,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(ip netns exec {bed.namespace(i)} bash)")
             if bed.shaping:
                 print("   " + bed.qdiscs(i).strip().replace("\n", "\n   "))
-        launch = bed.launch(command, args.nproc_per_node)
+        elastic = Elastic(args.min_nodes or args.hosts, args.max_restarts,
+                          tuple(c for c in args.rdzv_conf.split(",") if c))
+        launch = bed.launch(command, args.nproc_per_node, elastic=elastic)
         print(f"logs: {', '.join(map(str, launch.logs))}", flush=True)
         try:
             codes = launch.wait(args.timeout)

@@ -240,6 +240,12 @@ def _writer(args, folder, step, rank):
 def main(argv=None):
     args = parse_args(argv)
     device = setup(args.timeout)
+    train(args, device)
+    dist.destroy_process_group()
+
+
+def train(args, device):
+    """Build, resume and train on the default process group (every rank calls it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = args.dp or world // (args.tp * args.pp)
     if dp * args.tp * args.pp != world:
@@ -284,7 +290,8 @@ def main(argv=None):
         grad_norm = pm.clip_grad_norm_(args.clip) if args.clip > 0 else None  # the full model's norm
         opt.step()
         loss = out.loss.detach().float().clone()
-        dist.all_reduce(loss, group=dp_group)  # also waits for this step on every dp rank
+        with pyfused.comm.failures_named("train_llm (loss all-reduce)", dp_group):
+            dist.all_reduce(loss, group=dp_group)  # also waits for this step on every dp rank
         loss = loss.item() / dp
         dt = time.perf_counter() - t0
         tokens_per_s = args.batch * args.seq / dt
@@ -304,7 +311,6 @@ def main(argv=None):
             print(f"wrote the full state dict ({len(full)} tensors) to {args.export}", flush=True)
     if metrics:
         metrics.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

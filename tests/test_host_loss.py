@@ -1,0 +1,250 @@
+"""Losing a host: examples/train_llm.py under ``torchrun --nnodes 1:3 --nproc-per-node 2
+--max-restarts 3 --rdzv-backend c10d`` on 3 namespace hosts (tests/multihost.py), dp=3 x tp=2 (each
+host one tensor-parallel pair), a DCP checkpoint every 2 steps. Once the 3-host job has trained a
+few steps, host 2 is struck:
+
+* ``kill``: every process of the host gets SIGKILL (a host that lost power);
+* ``cut``: its link goes down (``ip link set mhlink down``): its processes live on, unreachable;
+* ``freeze``: every process of the host gets SIGSTOP (a hung host: sockets open, nothing answers).
+
+Then every surviving host's ranks raise ``PeerFailure`` within the group timeout (``--timeout``;
+at once after a kill, whose sockets close), torchrun's agents on the two other hosts re-form the job
+(c10d rendezvous: host 2's agent stops sending heartbeats and is dropped), and the restarted ranks,
+now dp=2 x tp=2, resume from the newest checkpoint marked complete when the survivors failed. Their
+losses must equal, bit for bit, those of an uninterrupted run of the same script restarted from that
+checkpoint on that mesh (2 hosts x 2 ranks, run on the shared rank pool with the hosts named by
+``PYFUSED_HOST``). Every checkpoint marked complete holds every byte its DCP metadata names; those
+after the resumed step were written again by the 4 ranks.
+
+Host 0 serves the rendezvous store (``is_host``), as the first node of a c10d rendezvous does; the
+store is not replicated, so losing host 0 ends the job (docs/MULTIHOST.md). A launch costs tens of
+seconds on the 2-core box (9 processes importing torch and transformers), so the default run strikes
+once (the kill); ``PYFUSED_FULL_FAULT_MATRIX=1`` adds the cut link and the frozen host, each of which
+waits out the group timeout. ``pytest -s`` prints the times.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import pytest
+
+from benchmarks import multihost_testbed as mt
+from tests import multihost as M
+from tests import multihost_checks as C
+
+pytest.importorskip("transformers", reason="examples/train_llm.py needs transformers (the 'models' extra)")
+pytestmark = pytest.mark.slow
+
+TRAIN_LLM = M.REPO / "examples" / "train_llm.py"
+HOSTS, LOST, PER_HOST, TP = 3, 2, 2, 2
+STEPS, SAVE_EVERY, STRIKE_AFTER = 30, 2, 5
+GROUP_TIMEOUT_S = 60  # --timeout: also bounds how far apart the ranks may arrive at start-up
+# Tiny on purpose: the time goes into starting processes. The batch splits over dp=3 and dp=2.
+TRAIN_ARGS = ["--tp", str(TP), "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+              "--ffn", "64", "--seq", "16", "--batch", "12", "--lr", "1e-2", "--log-every", "1",
+              "--steps", str(STEPS)]
+# A dead agent is dropped 5 s after its last heartbeat (keep_alive_*); a round with fewer than 3
+# hosts closes 5 s after the first one joined (last_call_timeout; torchrun's defaults: 15 s, 30 s).
+ELASTIC = mt.Elastic(min_nodes=1, max_restarts=3, rdzv_conf=(
+    "keep_alive_interval=1", "keep_alive_max_attempt=5", "last_call_timeout=5"))
+# Upper bounds, generous to a loaded machine: a killed host's sockets close at once; a cut or frozen
+# one is noticed when a survivor's collective times out.
+RAISE_WITHIN_S = {"kill": GROUP_TIMEOUT_S, "cut": GROUP_TIMEOUT_S + 45,
+                  "freeze": GROUP_TIMEOUT_S + 45}
+START_WITHIN_S, RESUME_WITHIN_S, FINISH_WITHIN_S = 400, 400, 300
+STRIKES: Dict[str, Callable[[mt.Testbed, int], object]] = {
+    "kill": mt.Testbed.kill_host, "cut": mt.Testbed.cut_link, "freeze": mt.Testbed.freeze_host}
+FULL = os.environ.get("PYFUSED_FULL_FAULT_MATRIX") == "1"
+EXCEPTION = re.compile(r"^\[rank(\d+)\]: ([A-Za-z_][\w.]*): (.*)$", re.MULTILINE)
+MESH = re.compile(r"^mesh dp=(\d+) x pp=1 x tp=\d+ \(world (\d+).*?(?:starting at|resumed at) "
+                  r"step (\d+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("case", [
+    "kill",
+    pytest.param("cut", marks=pytest.mark.skipif(
+        not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to cut a host's link (waits out the "
+                         "group timeout)")),
+    pytest.param("freeze", marks=pytest.mark.skipif(
+        not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to freeze a host (waits out the group "
+                         "timeout)")),
+])
+@pytest.mark.timeout(START_WITHIN_S + RESUME_WITHIN_S + FINISH_WITHIN_S + 300)
+def test_training_survives_losing_a_host(case, tmp_path, ranks):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    run = _run_and_strike(case, tmp_path, ckpt, metrics)
+    print(f"\nhost loss ({case}): every surviving host raised PeerFailure "
+          f"{max(run['raised'].values()):.1f} s after the strike; the job resumed at step "
+          f"{run['resumed_step']} on {PER_HOST * (HOSTS - 1)} ranks and trained its first step "
+          f"{run['resumed_after']:.1f} s after the strike; messages: {run['messages']}")
+    assert max(run["raised"].values()) <= RAISE_WITHIN_S[case], run["raised"]
+
+    resumed = run["resumed_step"]
+    assert resumed == run["newest_complete"] and resumed >= SAVE_EVERY, run
+    losses = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # the re-formed job's lines: from its first step on (a step the struck job finished just
+    # before the strike may have been written after it)
+    first = max(i for i, m in enumerate(losses) if m["step"] == resumed + 1)
+    assert first >= run["lines_before"], (first, run)
+    after = losses[first:]
+    assert [m["step"] for m in after] == list(range(resumed + 1, STEPS + 1)), after
+    reference = _reference_losses(ranks, ckpt, resumed, tmp_path / "reference.jsonl")
+    assert [m["loss"] for m in after] == reference  # the same computation, bit for bit
+    _check_checkpoints(ckpt, resumed)
+
+
+# ---- the faulted run -------------------------------------------------------------------------------
+def _run_and_strike(case: str, tmp_path: Path, ckpt: Path, metrics: Path) -> dict:
+    """Train on 3 hosts, strike host ``LOST`` once 3-host training passed ``STRIKE_AFTER`` steps,
+    and follow the survivors until their job finished; every process is ended on the way out."""
+    argv = [str(TRAIN_LLM), *TRAIN_ARGS, "--save-every", str(SAVE_EVERY), "--ckpt-dir", str(ckpt),
+            "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
+    # several agents: each worker group makes its own store (docs/CHECKPOINT.md); the agents log
+    # their restarts and rendezvous rounds (torchrun's LOGLEVEL), which a failure's log tails show
+    env = dict(M.worker_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")
+    survivors = [h for h in range(HOSTS) if h != LOST]
+    with M.testbed(HOSTS, log_dir=tmp_path) as bed:
+        launch = bed.launch(argv, nproc_per_node=PER_HOST, env=env, log_dir=tmp_path,
+                            elastic=ELASTIC)
+        _wait_for(lambda: _trained_on(launch.logs[0], HOSTS * PER_HOST) >= STRIKE_AFTER,
+                  START_WITHIN_S, launch, f"the {HOSTS}-host job to train {STRIKE_AFTER} steps")
+        marks = [log.stat().st_size for log in launch.logs]
+        lines_before = len(metrics.read_text().splitlines())
+        struck = time.monotonic()
+        STRIKES[case](bed, LOST)
+        raised = _wait_for_peer_failures(launch, marks, survivors, struck,
+                                         RAISE_WITHIN_S[case] + 60)
+        newest_complete = max((_step(d) for d in _complete(ckpt)), default=0)
+        smaller = (HOSTS - 1) * PER_HOST
+        _wait_for(lambda: _trained_on(launch.logs[0], smaller) > 0, RESUME_WITHIN_S, launch,
+                  "first step of the re-formed job")
+        resumed_after = time.monotonic() - struck
+        codes = launch.wait(FINISH_WITHIN_S, hosts=survivors)
+        bed.kill_host(LOST)  # a cut or frozen host's processes are still there
+        assert codes == [0] * len(survivors), f"torchrun exited {codes}\n{launch.tails()}"
+        since = _read(launch.logs[0], marks[0])
+    meshes = MESH.findall(since)
+    assert meshes and meshes[-1][:2] == (str(HOSTS - 1), str((HOSTS - 1) * PER_HOST)), meshes
+    failure_text = {h: _failure_text(launch.logs[h], marks[h]) for h in survivors}
+    return {"raised": raised, "newest_complete": newest_complete, "resumed_step": int(meshes[-1][2]),
+            "resumed_after": resumed_after, "lines_before": lines_before,
+            "messages": _first_peer_failures(failure_text)}
+
+
+def _wait_for(ready: Callable[[], bool], timeout: float, launch: mt.Launch, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:.0f} s\n{launch.tails()}")
+        time.sleep(0.1)
+
+
+def _trained_on(log: Path, world: int) -> int:
+    """The last step rank 0 logged since the job last started on ``world`` ranks (0 if none)."""
+    text = _read(log) if log.exists() else ""
+    starts = list(MESH.finditer(text))
+    if not starts or starts[-1].group(2) != str(world):
+        return 0
+    steps = re.findall(r"^step +(\d+) \|", text[starts[-1].end():], re.MULTILINE)
+    return int(steps[-1]) if steps else 0
+
+
+def _wait_for_peer_failures(launch: mt.Launch, marks: List[int], hosts: List[int], struck: float,
+                            timeout: float) -> Dict[int, float]:
+    """Seconds from the strike until each host's log showed a rank's ``PeerFailure``; then every
+    rank of those hosts that printed an exception must have ended with a ``PeerFailure`` (torchrun
+    stops a host's other ranks once one failed, so one rank per host may be all there is)."""
+    raised: Dict[int, float] = {}
+    deadline = struck + timeout
+    while len(raised) < len(hosts):
+        for h in hosts:
+            if h not in raised and "PeerFailure: " in _failure_text(launch.logs[h], marks[h]):
+                raised[h] = time.monotonic() - struck
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hosts {sorted(set(hosts) - set(raised))} raised no PeerFailure "
+                                 f"within {timeout:.0f} s of the strike\n{launch.tails()}")
+        time.sleep(0.1)
+    time.sleep(2.0)  # the failing ranks' last lines
+    for h in hosts:
+        last = {}
+        for rank, kind, _ in EXCEPTION.findall(_failure_text(launch.logs[h], marks[h])):
+            last[rank] = kind
+        assert last and all(k.endswith("PeerFailure") for k in last.values()), (h, last)
+    return raised
+
+
+def _read(log: Path, mark: int = 0) -> str:
+    """``log`` from byte ``mark`` on (gloo's messages hold non-ASCII characters)."""
+    return log.read_bytes()[mark:].decode(errors="replace")
+
+
+def _failure_text(log: Path, mark: int) -> str:
+    """Host log since the strike, up to the re-formed job's start."""
+    text = _read(log, mark)
+    start = MESH.search(text)
+    return text[:start.start()] if start else text
+
+
+def _first_peer_failures(texts: Dict[int, str]) -> Dict[int, str]:
+    return {h: next((msg for _, kind, msg in EXCEPTION.findall(t) if kind.endswith("PeerFailure")),
+                    None) for h, t in texts.items()}
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def _step(folder: Path) -> int:
+    return int(folder.name.split("_")[1])
+
+
+def _complete(ckpt: Path) -> List[Path]:
+    from pyfused.parallelize import checkpoint
+
+    return sorted((d for d in ckpt.glob("step_*") if re.fullmatch(r"step_\d+", d.name)
+                   and checkpoint.is_complete(d)), key=_step)
+
+
+def _check_checkpoints(ckpt: Path, resumed: int) -> None:
+    """Every checkpoint marked complete holds every byte its DCP metadata names, those after the
+    resumed step were written by the smaller job, and no staging folder is left. (Those up to it
+    were written by whichever job ran then: under load torchrun may start on fewer hosts before
+    the third one joins.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folders = _complete(ckpt)
+    assert [_step(d) for d in folders] == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == [d.name for d in folders]
+    for d in folders:
+        world = json.loads((d / "COMPLETE").read_text())["world_size"]
+        assert _step(d) <= resumed or world == (HOSTS - 1) * PER_HOST, (d, world)
+        meta = FileSystemReader(d).read_metadata()
+        for where in meta.storage_data.values():
+            path = d / where.relative_path
+            assert path.is_file() and path.stat().st_size >= where.offset + where.length, (d, where)
+
+
+# ---- the reference: the same script restarted from that checkpoint on that mesh --------------------
+def _reference_losses(ranks, ckpt: Path, step: int, metrics: Path) -> List[float]:
+    # the checkpoint alone, in a folder of its own: the reference cannot touch the faulted run's
+    folder = metrics.parent / "reference_ckpt"
+    shutil.copytree(ckpt / f"step_{step:06d}", folder / f"step_{step:06d}")
+    argv = [*TRAIN_ARGS, "--ckpt-dir", str(folder), "--resume", f"step_{step:06d}",
+            "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
+    ranks.run((HOSTS - 1) * PER_HOST, _train_on_fake_hosts, str(TRAIN_LLM), argv, timeout=300)
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def _train_on_fake_hosts(rank: int, world: int, script: str, argv: List[str]) -> None:
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("train_llm", script)
+    train_llm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_llm)
+    with C.fake_hosts(rank, PER_HOST):
+        train_llm.train(train_llm.parse_args(argv), torch.device("cpu"))
