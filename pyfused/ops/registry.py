@@ -61,6 +61,8 @@ class OpSpec:
     peers: Optional[str] = None  # "module:function" building the bench's torch symmetric-memory
                                  # baselines (pyfused/bench/peers.py); None: the bench has none
     module: str = ""          # the module of the op and its hooks; "" means pyfused.ops.<name>
+    tuned: bool = True        # ``python -m pyfused.tune`` measures it (its inputs: a and b, or x
+                              # and a weight [H]); False: ``auto`` is the op's own size rule
 
     def __post_init__(self):
         if not self.module:
@@ -184,6 +186,7 @@ class OpNames(Sequence):
 
 GEMM_OPS = OpNames(lambda spec: spec.gemm)
 CHUNKED_OPS = OpNames(lambda spec: spec.chunked)
+TUNED_OPS = OpNames(lambda spec: spec.tuned)
 FUSED_OPS = OpNames(lambda spec: spec.fused is not None)
 
 
