@@ -14,12 +14,22 @@ Routing cases (``ROUTES``), each with its own top-k:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from tests.utils import assert_close, test_device
 
 ROUTES = ("topk", "top1", "skewed", "one_expert", "idle_rank")
+# The MoE tests run a cut grid by default (each world size, method and routing case at least once);
+# PYFUSED_FULL_MOE_MATRIX=1 runs every combination.
+FULL_MATRIX = os.environ.get("PYFUSED_FULL_MOE_MATRIX") == "1"
+
+
+def grid(full, default):
+    """``full`` with PYFUSED_FULL_MOE_MATRIX=1, else ``default``."""
+    return list(full) if FULL_MATRIX else list(default)
 HIDDEN, FFN = 13, 10  # odd on purpose
 
 

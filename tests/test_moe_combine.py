@@ -11,23 +11,26 @@ from tests.utils import WORLD_SIZES
 TIMEOUT = 300  # every routing case in one call; a loaded 2-core box runs world 4 slowly
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("method", ["unfused", "decomposed", "auto"])
+# by default every world size with the method that reorders most there (decomposed from 2 ranks;
+# unfused at 3 too, since its permutations differ); PYFUSED_FULL_MOE_MATRIX=1: every pair
+@pytest.mark.parametrize("world,method", moe_checks.grid(
+    [(w, m) for w in WORLD_SIZES for m in ("unfused", "decomposed", "auto")],
+    [(1, "auto"), (2, "decomposed"), (3, "unfused"), (3, "decomposed"), (4, "decomposed")]))
 def test_moe_mlp_matches_dense(ranks, world, method):
     assert all(ranks.run(world, moe_checks.check_moe_mlp, method, torch.float32,
                          moe_checks.ROUTES, 100 * world, timeout=TIMEOUT))
 
 
 # bf16 at the odd world size only: the tolerance policy is per dtype, the schedules are not
-@pytest.mark.parametrize("method", ["unfused", "decomposed"])
+@pytest.mark.parametrize("method", moe_checks.grid(["unfused", "decomposed"], ["unfused"]))
 def test_bf16_moe_mlp_matches_dense(ranks, method):
     assert all(ranks.run(3, moe_checks.check_moe_mlp, method, torch.bfloat16, ("topk", "skewed"),
                          11, timeout=TIMEOUT))
 
 
 # combine alone at worlds 2 and 3 (the MLP test above covers 1-4 through both ops)
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("method", ["unfused", "decomposed"])
+@pytest.mark.parametrize("world,method", moe_checks.grid(
+    [(w, m) for w in (2, 3) for m in ("unfused", "decomposed")], [(3, "decomposed")]))
 def test_matches_reference(ranks, world, method):
     for with_weight, weighted in ((True, True), (False, True), (True, False)):
         assert all(ranks.run(world, moe_checks.check_combine, method, torch.float32,

@@ -10,8 +10,11 @@ from tests.utils import WORLD_SIZES
 TIMEOUT = 240  # every routing case in one call; a loaded 2-core box runs world 4 slowly
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("method", ["unfused", "decomposed", "auto"])
+# by default one method per world size (the MLP test of tests/test_moe_combine.py runs both ops at
+# every world size again); PYFUSED_FULL_MOE_MATRIX=1: every pair
+@pytest.mark.parametrize("world,method", moe_checks.grid(
+    [(w, m) for w in WORLD_SIZES for m in ("unfused", "decomposed", "auto")],
+    [(1, "unfused"), (2, "decomposed"), (3, "decomposed"), (4, "unfused")]))
 def test_matches_reference(ranks, world, method):
     for with_weight in (True, False):
         assert all(ranks.run(world, moe_checks.check_dispatch, method, torch.float32,
@@ -19,7 +22,7 @@ def test_matches_reference(ranks, world, method):
 
 
 # bf16 at the odd world size only: the tolerance policy is per dtype, the schedules are not
-@pytest.mark.parametrize("method", ["unfused", "decomposed"])
+@pytest.mark.parametrize("method", moe_checks.grid(["unfused", "decomposed"], ["decomposed"]))
 def test_bf16_matches_reference(ranks, method):
     assert all(ranks.run(3, moe_checks.check_dispatch, method, torch.bfloat16,
                          ("topk", "skewed"), 7, True, timeout=TIMEOUT))

@@ -5,8 +5,9 @@ Three fresh gloo ranks per case (tests/fault_ranks.py), as tests/test_faults.py 
 paths. Each rank runs steps of dispatch -> GELU -> combine, forward and backward; the victim strikes
 (``comm.faults.strike_at``) the second time it passes one of the ops' fault points -- before the
 count exchange, before the token transfer of dispatch, before combine's -- so that the first step
-ran healthy. The grid is cut to six cases (each point once killed with the decomposed method and
-once frozen with the unfused one) to keep the launches to about a minute.
+ran healthy. The full grid (PYFUSED_FULL_MOE_MATRIX=1) strikes each point once killed with the decomposed method
+and once frozen with the unfused one; by default three cases cover each point once, both actions
+and both methods.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.fault_ranks import launch, record_strike
+from tests.moe_checks import grid
 
 WORLD = 3
 VICTIM = 1
@@ -25,10 +27,12 @@ VICTIM = 1
 TIMEOUT_S = 8.0
 MARGIN_S = 6.0  # a survivor may start a new wait just after the strike; the machine is shared
 STEPS = 4
-CASES = [(point, action, method)
-         for point in ("moe_dispatch.counts:before", "moe_dispatch.transfer:before",
-                       "moe_combine.transfer:before")
-         for action, method in (("kill", "decomposed"), ("sleep", "unfused"))]
+ALL_CASES = [(point, action, method)
+             for point in ("moe_dispatch.counts:before", "moe_dispatch.transfer:before",
+                           "moe_combine.transfer:before")
+             for action, method in (("kill", "decomposed"), ("sleep", "unfused"))]
+# by default each point once, the actions and methods alternating; PYFUSED_FULL_MOE_MATRIX=1: all
+CASES = grid(ALL_CASES, ALL_CASES[0::3] + ALL_CASES[4:5])
 
 
 def _steps(rank: int, out: Path, point: str, action: str, method: str) -> None:

@@ -6,12 +6,13 @@ replaces each experts module by the expert-parallel layer over all ranks, and ru
 load-balancing loss and the router logits equal the single-process model's on that batch; the
 replicated parameters' gradients equal the single-process gradients of that batch, and each rank's
 experts' gradients the sum over every rank's batch of the single-process gradients of those
-experts. Worlds 2 and 3 (4 runs through parallelize's tests); every family in one rank body, so a
-pool and the transformers import are paid once per world size.
+experts. Worlds 2 and 3 (4 runs through parallelize's tests); the families of a world in one rank
+body, so a pool and the transformers import are paid once per world size.
 """
 import pytest
 import torch
 
+from tests import moe_checks
 from tests.utils import assert_close
 
 pytest.importorskip("transformers", reason="the MoE layer tests need transformers")
@@ -31,11 +32,11 @@ def _grads(model):
             for n, p in model.named_parameters()}
 
 
-def _matches_single_process(rank, world, method):
+def _matches_single_process(rank, world, method, families):
     from pyfused.layers import ExpertParallelExperts
     from tests.moe_models import batch, build, experts_modules
 
-    for family in FAMILIES:
+    for family in families:
         experts = 2 * world
         model = build(family, experts=experts)
         for name, module in experts_modules(model).items():
@@ -73,10 +74,14 @@ def _matches_single_process(rank, world, method):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_layer_in_models_matches_single_process(ranks, world):
+# by default world 3 on the families whose MoE block adds to the experts (a shared expert, grouped
+# routing); tests/test_moe_parallelize.py runs the layer in every family at ep=2.
+# PYFUSED_FULL_MOE_MATRIX=1: both worlds, every family.
+@pytest.mark.parametrize("world,families", moe_checks.grid(
+    [(2, FAMILIES), (3, FAMILIES)], [(3, ("qwen2_moe", "deepseek_v3"))]))
+def test_layer_in_models_matches_single_process(ranks, world, families):
     method = "decomposed" if world == 3 else "unfused"
-    assert all(ranks.run(world, _matches_single_process, method, timeout=TIMEOUT))
+    assert all(ranks.run(world, _matches_single_process, method, families, timeout=TIMEOUT))
 
 
 def _refusal(rank, world, case):
