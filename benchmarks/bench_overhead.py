@@ -5,7 +5,8 @@ of the registry (pyfused/ops/registry.py) runs with methods unfused, decomposed,
 beside it, in the same run and on the same inputs, the plain-torch program a user would write
 (the op's ``plain_torch`` hook): ``a @ b`` plus the torch.distributed collective
 (all_gather_single then the GEMM; the GEMM then all_reduce or reduce_scatter_single), and for
-all_reduce_add_rmsnorm ``all_reduce``, ``+`` and ``torch.nn.functional.rms_norm``. At world
+all_reduce_add_rmsnorm ``all_reduce``, ``+`` and ``torch.nn.functional.rms_norm``, for the MoE ops
+``all_to_all_single`` with split sizes and a GEMM per expert. At world
 size 1 the plain program is the computation alone (the ops skip the collective of a one-rank
 group, so they are held to the stricter baseline).
 
@@ -52,8 +53,8 @@ from pyfused.ops.registry import OPS
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
 CHECKED = "unfused, validate=always"  # the row of the check's own cost
-EPS = 1e-6
-# Per-rank (rows, K, N) of the GEMM ops, (rows, hidden) of the others (x, residual, weight).
+# Per-rank (rows, K, N) of the GEMM ops, (rows, hidden) of the others (whose inputs their
+# ``make_inputs`` hook builds).
 GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
 NORM_SHAPES = {"cpu": [(16, 256), (64, 1024)], "cuda": [(16, 4096), (128, 8192)]}
 CALLS = {"cpu": 1, "cuda": 200}
@@ -65,9 +66,10 @@ def _inputs(op: str, shape: Tuple[int, ...], world: int, ctx: BenchContext):
     gen = torch.Generator().manual_seed(ctx.rank)
     dt = ctx.options.get("dtype") or (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
     rand = lambda *s: torch.randn(*s, generator=gen).to(ctx.device, dt)  # noqa: E731
-    if not OPS[op].gemm:
+    if not OPS[op].gemm:  # the op's own inputs (its registry hook), rows x hidden
         rows, hidden = shape
-        return (rand(rows, hidden), rand(rows, hidden), rand(hidden)), f"{rows}x{hidden}", dt
+        tensors = OPS[op].make_inputs(world, rows, hidden, 0, dt, ctx.device, seed=0)[ctx.rank]
+        return tensors, f"{rows}x{hidden}", dt
     m, k, n = shape
     rows = m * world if OPS[op].scatters_dim0 else m
     return (rand(rows, k), rand(k, n) * k ** -0.5), f"{rows}x{k}x{n}", dt
@@ -142,11 +144,10 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     world = comm.world_size(pg)
     tensors, label, dtype = _inputs(op, shape, world, ctx)
     fn = OPS[op].function
-    args = (*tensors, EPS, pg) if not OPS[op].gemm else (*tensors, pg)
     variants: Dict[str, Callable[[], object]] = {"torch": OPS[op].plain_torch(tensors, pg)}
     unavailable: Dict[str, str] = {}
     for method in METHODS:
-        call = (lambda m=method: fn(*args, method=m))
+        call = (lambda m=method: fn(*tensors, group=pg, method=m))
         try:
             call()  # the first call validates (mode "first" remembers it); raised on every rank alike
         except _common.MethodUnavailable as e:

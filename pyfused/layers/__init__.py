@@ -1,6 +1,7 @@
-"""Drop-in parallel modules: tensor-parallel linears, data parallel, and (re-exported from
-``pyfused.pipeline``, where they live) the pipeline stage and schedules."""
+"""Drop-in parallel modules: tensor-parallel linears, expert-parallel MoE experts, data parallel,
+and (re-exported from ``pyfused.pipeline``, where they live) the pipeline stage and schedules."""
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import ExpertParallelExperts
 
 _PIPELINE = ("PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 
@@ -17,4 +18,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'pyfused.layers' has no attribute {name!r}")
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "DistributedDataParallel", *_PIPELINE]
+__all__ = ["ColumnParallelLinear", "ExpertParallelExperts", "RowParallelLinear",
+           "DistributedDataParallel", *_PIPELINE]

@@ -51,7 +51,7 @@ def _import(target: str) -> Callable:
 class OpSpec:
     name: str
     inputs: Tuple[str, ...]   # the tensor arguments, in call order
-    collective: str           # "all_gather" | "reduce_scatter" | "all_reduce"
+    collective: str           # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
     scatters_dim0: bool       # the result is this rank's rows of dim 0 (dim 0 divisible by W)
     chunked: bool             # the decomposed method takes ``chunks=`` (row pieces)
     gemm: bool                # a @ b with a [d0, ..., K], b [K, N]; else x [..., H] + weight [H]
@@ -61,6 +61,8 @@ class OpSpec:
     peers: Optional[str] = None  # "module:function" building the bench's torch symmetric-memory
                                  # baselines (pyfused/bench/peers.py); None: the bench has none
     module: str = ""          # the module of the op and its hooks; "" means pyfused.ops.<name>
+    tuned: bool = True        # ``python -m pyfused.tune`` measures it (its inputs: a and b, or x
+                              # and a weight [H]); False: ``auto`` is the op's own size rule
 
     def __post_init__(self):
         if not self.module:
@@ -152,6 +154,14 @@ OPS: Dict[str, OpSpec] = {s.name: s for s in (
            "x [..., H], residual [..., H], weight [H] -> (normed, new_residual) [..., H]",
            "pyfused.fused.all_reduce:fused_all_reduce_add_rmsnorm",
            ("csrc/allreduce_cuda.cu",)),
+    OpSpec("moe_dispatch", ("x", "topk_idx", "weight"), "all_to_all", False, False, False,
+           "x [..., H], topk_idx [..., k], weight [E/W, H, N] or None "
+           "-> (out [R, N], layout [W, E/W])",
+           None, (), tuned=False),
+    OpSpec("moe_combine", ("y", "topk_weights", "topk_idx", "layout", "weight"), "all_to_all",
+           False, False, False,
+           "y [R, N], topk_weights [..., k], topk_idx [..., k], layout [W, E/W], "
+           "weight [E/W, N, H] or None -> out [..., H]", None, (), tuned=False),
 )}
 
 
@@ -184,6 +194,7 @@ class OpNames(Sequence):
 
 GEMM_OPS = OpNames(lambda spec: spec.gemm)
 CHUNKED_OPS = OpNames(lambda spec: spec.chunked)
+TUNED_OPS = OpNames(lambda spec: spec.tuned)
 FUSED_OPS = OpNames(lambda spec: spec.fused is not None)
 
 

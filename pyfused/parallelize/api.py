@@ -8,11 +8,13 @@
      hold the same model (a fingerprint of its structure, and a checksum of its values), the same
      mesh (dim names, and the global ranks of each named group), plan and options, and any rank's
      problem is raised on every rank with the same message -- before any other collective;
-  3. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
-  4. ``apply_fsdp`` (``dp="fsdp"``, or ``dp="hsdp"``) or ``apply_ddp`` (``dp="ddp"``): data
+  3. ``apply_ep``: the experts of mixture-of-experts layers spread over the ``ep`` dim (moe.py);
+  4. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
+  5. ``average_over_ep``: the ep ranks, which feed their own batches, average their gradients;
+  6. ``apply_fsdp`` (``dp="fsdp"``, or ``dp="hsdp"``) or ``apply_ddp`` (``dp="ddp"``): data
      parallelism on the ``dp`` dim (HSDP: the ``dp_replicate`` x ``dp_shard`` dims):
      ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
-With pp > 1, ``apply_pipeline`` takes the place of 3 and 4: this rank's pipeline stage
+With pp > 1, ``apply_pipeline`` takes the place of 3 to 6: this rank's pipeline stage
 (pipeline.py), whose modules get tensor parallelism, then data parallelism.
 
 The returned ``ParallelModel`` is called like the original model and returns what it returns;
@@ -35,7 +37,8 @@ from .checks import ParallelizeError
 from .sequence import _check_divisible
 from .shard import ShardSpec
 from .steps import (
-    MeshInfo, agree_across_ranks, apply_ddp, apply_fsdp, apply_pipeline, apply_tp, check_locally,
+    MeshInfo, agree_across_ranks, apply_ddp, apply_ep, apply_fsdp, apply_pipeline, apply_tp,
+    average_over_ep, check_locally,
 )
 
 __all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]
@@ -46,9 +49,10 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
                 verbose: bool = False, dp: str = "ddp", **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
-    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
-    stays within the mesh's dim groups. With ``dp="hsdp"`` the dims "dp_replicate", "dp_shard"
-    (adjacent, in that order) take the place of "dp".
+    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp", "ep" (sizes may be 1); all
+    communication stays within the mesh's dim groups. With ``dp="hsdp"`` the dims "dp_replicate",
+    "dp_shard" (adjacent, in that order) take the place of "dp". The ranks along "ep" feed their own
+    batches and share the experts of mixture-of-experts layers out (pyfused/parallelize/moe.py).
     ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
@@ -78,7 +82,9 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     if info.size["pp"] > 1:
         stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
     else:
+        apply_ep(model, resolved, info, tp)
         apply_tp(model, resolved, tp)
+        average_over_ep(model, info)
         runner = apply_ddp(model, info) if dp == "ddp" else apply_fsdp(model, resolved, info, tp)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
@@ -229,14 +235,16 @@ class ParallelModel(nn.Module):
         skip = self._stage.duplicate_params() if self._stage is not None else set()
         device = grads[0].device if grads else torch.device("cpu")
         inf = norm_type == float("inf")
-        parts = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, replicated]
+        # [sharded over tp, replicated, sharded over ep (experts)]
+        parts = torch.zeros(3, dtype=torch.float64, device=device)
         for name, p in self.module.named_parameters():
             if p.grad is None or id(p) in skip:
                 continue
             g = fsdp_compose.local(p.grad).detach().double()
             spec = self._spec_of(name, p)
             v = g.abs().max() if inf else g.pow(2).sum() / spec.replicas  # replicas: counted once
-            i = 0 if spec.dim is not None and self._tp.world > 1 else 1
+            i = 2 if spec.group is not None else 0 if spec.dim is not None and self._tp.world > 1 \
+                else 1
             parts[i] = torch.maximum(parts[i], v) if inf else parts[i] + v
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         with comm.failures_named("parallelize clip_grad_norm_", _world_group()):
@@ -244,6 +252,8 @@ class ParallelModel(nn.Module):
                 dist.all_reduce(parts, op=op, group=self._dp_shard_group)
             if self._tp.world > 1:
                 dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
+            if self.mesh_info.size["ep"] > 1:
+                dist.all_reduce(parts[2:], op=op, group=self.mesh_info.group["ep"])
             total = parts.max() if inf else parts.sum()
             if self._stage is not None:
                 dist.all_reduce(total, op=op, group=self._stage.pg)

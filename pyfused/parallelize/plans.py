@@ -47,6 +47,10 @@ the ``parallelize_plan`` of torch's ``parallelize_module`` or transformers' ``tp
                      attention module there is refused (it would attend over its shard only).
   ``blocks``         the ``nn.ModuleList`` of decoder blocks: the sequence-parallel region and the
                      unit the pipeline splitter cuts.
+  ``experts``        a transformers experts module of a mixture-of-experts block (3-D
+                     ``gate_up_proj`` / ``down_proj``) -> ``ExpertParallelExperts`` over the ``ep``
+                     mesh dim (pyfused/parallelize/moe.py); replicated over tp, where in the
+                     sequence-parallel region it runs on the shard as ``replicate`` does.
 
 Every parameter of the model must be covered by some entry; ``resolve`` says which are not.
 
@@ -70,9 +74,9 @@ LINEAR_STYLES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_kv", "row
 ATTENTION_STYLES = ("attention", "attention_sequence_sharded")
 NORM_STYLES = ("colwise_norm", "colwise_norm_kv")
 STYLES = LINEAR_STYLES + ATTENTION_STYLES + NORM_STYLES + (
-    "embedding", "sequence_parallel", "head_shared", "replicate", "blocks")
+    "embedding", "sequence_parallel", "head_shared", "replicate", "blocks", "experts")
 # styles whose modules run whole on each rank's sequence shard inside the sequence-parallel region
-SHARD_LOCAL_STYLES = ("sequence_parallel", "replicate")
+SHARD_LOCAL_STYLES = ("sequence_parallel", "replicate", "experts")
 
 # transformers model_type -> family. The Llama family: decoder-only models with LlamaAttention's
 # layout (separate q/k/v/o projections, optional q/k/v biases, grouped-query attention) and a
@@ -83,6 +87,19 @@ SHARD_LOCAL_STYLES = ("sequence_parallel", "replicate")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "stablelm", "gemma", "gemma2", "gemma3_text")
 FAMILIES = {**{t: "llama" for t in LLAMA_FAMILY}, "olmo2": "olmo2", "phi3": "phi3",
             "gpt_neox": "gpt_neox", "gpt2": "gpt2"}
+# Mixture-of-experts families (pyfused/parallelize/moe.py): the MoE block of every layer runs whole
+# ("replicate": router and shared experts), its experts module over the ep dim ("experts"). Those
+# with Llama's attention layout take the Llama plan's attention styles; OLMoE's q/k norms (over the
+# whole projection, rounded as OLMo 2's are not) and DeepSeek-V3's latent attention are not
+# sharded: their blocks are replicated over tp.
+MOE_LLAMA_ATTENTION = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_REPLICATED_ATTENTION = ("olmoe", "deepseek_v3")
+FAMILIES.update({t: "moe" for t in MOE_LLAMA_ATTENTION + MOE_REPLICATED_ATTENTION})
+# model types plan="auto" knows and refuses: why (the same message on every rank)
+REFUSED_FAMILIES = {
+    "gpt_oss": "its experts add biases and interleave [gate|up] into a clamped SwiGLU "
+               "(GptOssExperts), which pyfused's expert-parallel layer does not compute",
+}
 # per-block norms of the Llama family and OLMo 2, by name; a plan lists those the model has
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
@@ -181,6 +198,31 @@ def gpt2_plan(prefix: str, has_lm_head: bool) -> Dict[str, str]:
     return plan
 
 
+def moe_plan(model: nn.Module, model_type: str, names: Dict[str, nn.Module]) -> Dict[str, str]:
+    """A mixture-of-experts family's plan: Llama's attention styles (or, for the types whose
+    attention is not sharded, whole replicated blocks), the MoE block replicated and its experts
+    module over the ep dim."""
+    prefix = "model." if "model.layers" in names else ""
+    p = prefix
+    if f"{p}layers.0" not in names:
+        raise PlanError(f"{type(model).__name__} ({model_type}) has no 'layers' block list where "
+                        f"the MoE plan expects it")
+    if model_type in MOE_LLAMA_ATTENTION:
+        norms = tuple(n for n in BLOCK_NORMS if isinstance(names.get(f"{p}layers.0.{n}"), nn.Module))
+        qk_norm = f"{p}layers.0.self_attn.q_norm" in names
+        plan = llama_plan(prefix, "lm_head" in names, qk_norm, norms)
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            del plan[f"{p}layers.*.mlp.{projection}"]
+    else:
+        plan = {f"{p}embed_tokens": "embedding", f"{p}layers": "blocks",
+                f"{p}layers.*": "replicate", f"{p}norm": "replicate"}
+        if "lm_head" in names:
+            plan["lm_head"] = "colwise_gather_output"
+    plan[f"{p}layers.*.mlp"] = "replicate"
+    plan[f"{p}layers.*.mlp.experts"] = "experts"
+    return plan
+
+
 def family_of(model: nn.Module) -> Tuple[Optional[str], str]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -189,12 +231,17 @@ def family_of(model: nn.Module) -> Tuple[Optional[str], str]:
 
 def auto_plan(model: nn.Module) -> Dict[str, str]:
     family, model_type = family_of(model)
+    if model_type in REFUSED_FAMILIES:
+        raise PlanError(f"plan='auto' cannot parallelize {type(model).__name__} ({model_type}) "
+                        f"exactly: {REFUSED_FAMILIES[model_type]}")
     if family is None:
         raise PlanError(
             f"plan='auto' does not know {type(model).__name__} (config.model_type={model_type!r}); "
             f"known model types: {', '.join(sorted(FAMILIES))}. Pass plan={{pattern: style}} "
             f"(styles: {', '.join(STYLES)}; see pyfused/parallelize/plans.py)")
     names = dict(model.named_modules())
+    if family == "moe":
+        return moe_plan(model, model_type, names)
     if family == "gpt_neox":
         prefix = "gpt_neox." if "gpt_neox.layers" in names else ""
         if f"{prefix}layers" not in names:
@@ -293,6 +340,12 @@ def _check_module_type(name: str, module: nn.Module, style: str) -> None:
         raise PlanError(f"{name!r}: a vocab-parallel embedding supports neither max_norm nor sparse")
     if style == "blocks" and not isinstance(module, nn.ModuleList):
         raise PlanError(f"{name!r} is a {type(module).__name__}; style 'blocks' needs an nn.ModuleList")
+    if style == "experts":
+        from ..layers.moe import REFUSALS, describe
+
+        code = describe(module)[0]
+        if code:
+            raise PlanError(f"{name!r} ({cls}) {REFUSALS[code]}; style 'experts' cannot shard it")
 
 
 def is_attention_module(module: nn.Module) -> bool:

@@ -34,6 +34,8 @@ COMMUNICATION = {
     "RowParallelLinear": ("matmul_all_reduce", "GEMM + all-reduce"),
     "VocabParallelEmbedding": (None, "lookup of this rank's rows + all-reduce"),
     "ColumnShardedRMSNorm": (None, "all-reduce of the squares' sums over the full width"),
+    "ExpertParallelExperts": ("moe_dispatch", "all-to-all of the tokens to this rank's experts + "
+                              "grouped GEMM, and back (moe_dispatch, moe_combine over ep)"),
 }
 STYLE_NOTES = {
     "sequence_parallel": "runs on the sequence shard; weight gradients all-reduced",

@@ -12,7 +12,9 @@ A ``ShardSpec`` maps the original (full) tensor to this rank's local one and bac
   * ``replicas=k`` (KV heads replicated when TP > KV heads): the tensor is cut into ``world / k``
     chunks and rank r keeps chunk ``r // k``, so k consecutive ranks hold the same chunk;
   * ``padded=P`` (a vocabulary TP does not divide): before the cut the tensor is zero-padded along
-    ``dim`` to P (a multiple of the world size); gathering drops the padding again.
+    ``dim`` to P (a multiple of the world size); gathering drops the padding again;
+  * ``group``: the group whose ranks hold the chunks when it is not the tensor-parallel one (an
+    expert-parallel layer's experts, over the ep dim); None: the TP group ``gather`` is given.
 
 ``shard`` runs locally; ``gather`` is a collective over the TP group (every TP rank must call it for
 the same parameters in the same order).
@@ -20,7 +22,7 @@ the same parameters in the same order).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -39,6 +41,7 @@ class ShardSpec:
     replicas: int = 1
     padded: int = 0  # size along dim after zero-padding (0: none)
     sections: tuple = ()  # full sizes of the groups along dim (unequal parts; default: ``parts`` equal)
+    group: Any = None  # the group the chunks are spread over, if not the TP group (module docstring)
 
     @property
     def chunks(self) -> int:
@@ -59,6 +62,7 @@ class ShardSpec:
                          dim=self.dim)
 
     def gather(self, local: Tensor, pg) -> Tensor:
+        pg = pg if self.group is None else self.group
         local = local.detach()
         if self.dim is None or self.world == 1:
             full = local.clone()

@@ -5,7 +5,9 @@
   agree_across_ranks  the first collective: one fixed-size exchange per mesh dim (checks.agree);
                       any rank's problem, or ranks that differ, raise the same ParallelizeError on
                       every rank;
+  apply_ep            the experts modules spread over the ep dim, in place (moe.py);
   apply_tp            tensor (and sequence) parallelism on the tp dim, in place;
+  average_over_ep     the ep ranks' share of data parallelism: gradient hooks (moe.py);
   apply_pipeline      with pp > 1, in place of apply_tp and data parallelism: this rank's pipeline
                       stage, which applies both to the modules it keeps (pipeline.py);
   apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
@@ -25,6 +27,7 @@ from .. import comm
 from ..fsdp import compose as fsdp_compose
 from ..layers import DistributedDataParallel
 from . import checks as checks_mod
+from . import moe as ep_mod
 from . import pipeline as pp_mod
 from . import plans as plans_mod
 from . import tensor_parallel as tp_mod
@@ -35,6 +38,7 @@ except ImportError:  # pragma: no cover - torch without DeviceMesh
     DeviceMeshType = ()
 
 MESH_DIMS = checks_mod.MESH_DIMS
+OPTIONAL_DIMS = ("ep",)  # described only where the mesh names them
 DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 
@@ -65,7 +69,8 @@ class MeshInfo:
         comm.faults.inherit_default_timeout(self.group.values())
 
     def describe(self) -> str:
-        dims = ("dp_replicate", "dp_shard", "pp", "tp") if self.hsdp else ("dp", "pp", "tp")
+        dims = (HSDP_DIMS if self.hsdp else ("dp",)) + ("pp", "tp")
+        dims += tuple(d for d in OPTIONAL_DIMS if d in self.names)
         return " x ".join(f"{d}={self.size[d]}" for d in dims)
 
 
@@ -102,6 +107,8 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
         return info, None, str(e)
     pp = info.size["pp"]
     problem = tp_mod.check(model, resolved, info.size["tp"], sequence_parallel)
+    if problem is None:
+        problem = ep_mod.check(model, resolved, info.size["ep"], pp, dp)
     if problem is None and pp > 1:
         problem = pp_mod.check(model, resolved, pp, pipeline_options)
     if problem is None and dp not in DATA_PARALLEL:
@@ -156,6 +163,19 @@ def agree_across_ranks(model: nn.Module, mesh, info: Optional[MeshInfo], plan, o
 
 
 # ---- steps ---------------------------------------------------------------------------------------
+def apply_ep(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
+             tp: tp_mod.TensorParallel) -> None:
+    """The plan's experts modules spread over the ep dim, their shard specs beside the TP ones;
+    before apply_tp, so that its sequence-parallel hooks see the experts' new parameters."""
+    ep_mod.apply(model, resolved, info.group["ep"], info.size["ep"], info.coord["ep"], tp.overlap,
+                 tp.param_specs)
+
+
+def average_over_ep(model: nn.Module, info: MeshInfo) -> None:
+    """Gradients averaged over the ep ranks' batches (after apply_tp: on the final parameters)."""
+    ep_mod.average_gradients(model, info.group["ep"], info.size["ep"])
+
+
 def apply_tp(model: nn.Module, resolved: plans_mod.ResolvedPlan, tp: tp_mod.TensorParallel) -> None:
     """Tensor (and sequence) parallelism on the tp dim, in place; nothing at tp = 1."""
     if tp.world > 1:

@@ -23,10 +23,10 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS, OpNames
+from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS, TUNED_OPS as TUNED
 from ..ops.tuned import Entry, key, store
 
-OPS = OpNames(lambda spec: True)  # every registered op, read at each use
+OPS = TUNED  # the ops the tuner measures, read from the registry at each use
 # CHUNKED: the ops whose decomposed method takes a chunk count (row pieces of a chunked all-reduce).
 NORM_EPS = 1e-6
 TUNABLE = ("unfused", "decomposed", "fused")

@@ -1,0 +1,253 @@
+"""Routing and row transfers shared by ``moe_dispatch`` and ``moe_combine`` (expert parallelism).
+
+Terms. A group of W ranks holds E experts, E_l = E / W on each rank: expert e lives on rank
+e // E_l as its local expert e % E_l. On a source rank, T tokens each chose k experts
+(``topk_idx [T, k]``); *pair* p = t * k + j is token t's j-th choice. Rows are kept in three orders:
+
+  * pair order, on the source: the pairs sorted by expert (a stable sort: by pair within an
+    expert). The rows for rank d's experts are then one contiguous block, grouped by its experts;
+  * source-major, on the destination: one block per source rank, each grouped by local expert --
+    what an all-to-all delivers;
+  * expert-major, on the destination: grouped by local expert, within an expert by source rank,
+    within a source in pair order -- what ``moe_dispatch`` returns and ``moe_combine`` takes, so
+    that each expert's rows are one slice for its GEMM.
+
+``layout [W, E_l]`` (int64, on the tokens' device) describes what a destination received:
+``layout[s, j]`` rows from source s for local expert j. ``route`` builds it with one fixed-size
+all-to-all of the per-expert counts (each rank also sends the number of its ``topk_idx`` values out
+of range, so that every rank raises the same error before any row moves), then reads the counts on
+the
+host: the one host synchronization of ``moe_dispatch`` (on a GPU; none on CPU). ``moe_combine``
+reads the layout it is given on the host (its one synchronization on a GPU).
+
+Transfers: ``exchange`` runs one ``all_to_all_single`` with split sizes (the unfused methods);
+``PeerTransfers`` posts one send and one receive per peer with rows to move and lets the caller wait
+for each source's block in turn, computing on the blocks that arrived while the others travel (the
+decomposed methods). A pair of ranks with nothing to move posts nothing (both sides know the size).
+
+``recording()`` makes the ops note, while it is active in this process, when each count exchange,
+transfer wait, grouped GEMM and weighted sum starts and ends (host times; the bench's timeline);
+otherwise noting is one comparison.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ..comm.faults import fault_point, transfer_timeout
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+Event = Tuple[str, float, float]  # (what, start, end): host times (time.perf_counter)
+_events: Optional[List[Event]] = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[List[Event]]:
+    """Within the block the MoE ops of this process append their events (``Event``) to the list
+    this yields: "counts" (the count exchange), "all_to_all", "wait" (a decomposed method blocked on
+    a peer's block), "gemm", "sum" (the weighted sum of combine)."""
+    global _events
+    _events = []
+    try:
+        yield _events
+    finally:
+        _events = None
+
+
+def note(what: str, start: float) -> None:
+    """Record ``what`` from ``start`` until now, while ``recording``."""
+    if _events is not None:
+        _events.append((what, start, time.perf_counter()))
+
+
+now = time.perf_counter
+
+
+@dataclass
+class Routing:
+    """One exchange's routing as this rank sees it, on the host and on the device."""
+
+    world: int
+    rank: int
+    order: Tensor                # [P] pair indices in pair order (sorted by expert)
+    send: List[int]              # rows this rank sends to each rank (blocks of the pair order)
+    layout: Tensor               # [W, E_l] rows received from each source for each local expert
+    counts: List[List[int]]      # ``layout`` on the host
+
+    @property
+    def local_experts(self) -> int:
+        return len(self.counts[0])
+
+    @property
+    def recv(self) -> List[int]:
+        """Rows received from each source rank."""
+        return [sum(row) for row in self.counts]
+
+    @property
+    def expert_counts(self) -> List[int]:
+        """Rows received for each local expert (from every source)."""
+        return [sum(col) for col in zip(*self.counts)]
+
+    def expert_index(self) -> Optional[Tensor]:
+        """[R]: the expert-major position of each source-major row; None where the two orders are
+        the same (one rank, or one expert per rank)."""
+        if self.world == 1 or self.local_experts == 1:
+            return None
+        w, el = self.world, self.local_experts
+        flat = self.layout.reshape(-1)
+        total = sum(self.recv)
+        device = flat.device
+        segment = torch.repeat_interleave(torch.arange(w * el, device=device), flat,
+                                          output_size=total)
+        source_start = flat.cumsum(0) - flat
+        by_expert = self.layout.t().reshape(-1)
+        expert_start = (by_expert.cumsum(0) - by_expert).view(el, w).t().reshape(-1)
+        return expert_start[segment] + torch.arange(total, device=device) - source_start[segment]
+
+
+def offsets(sizes: List[int]) -> List[int]:
+    """[0, sizes[0], sizes[0] + sizes[1], ...]: where each block starts, and the total."""
+    out, total = [0], 0
+    for s in sizes:
+        total += s
+        out.append(total)
+    return out
+
+
+def pair_order(topk_idx: Tensor) -> Tensor:
+    """The pairs sorted by expert, stably (pair p = t * k + j)."""
+    return torch.argsort(topk_idx.reshape(-1), stable=True)
+
+
+def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
+    """Sort this rank's pairs and exchange the per-expert counts with every rank (one fixed-size
+    all-to-all); raise the same ``InputError`` on every rank if any rank's ``topk_idx`` holds a
+    value outside [0, num_experts)."""
+    w, r = comm.world_size(pg), comm.rank(pg)
+    el = num_experts // w
+    flat = topk_idx.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    counts = torch.bincount(torch.where(valid, flat, num_experts), minlength=num_experts + 1)
+    per_rank = counts[:num_experts].view(w, el)
+    outgoing = torch.cat([per_rank, counts[num_experts:].expand(w, 1)], dim=1).contiguous()
+    if w > 1:
+        fault_point(f"{op}.counts:before")
+        start = now()
+        incoming = torch.empty_like(outgoing)
+        dist.all_to_all_single(incoming, outgoing, group=pg)
+        note("counts", start)
+    else:
+        incoming = outgoing
+    host = torch.cat([per_rank.sum(1), incoming.reshape(-1)]).tolist()
+    send, received = host[:w], [host[w + s * (el + 1): w + (s + 1) * (el + 1)] for s in range(w)]
+    bad = {s: row[el] for s, row in enumerate(received) if row[el]}
+    if bad:
+        where = ", ".join(f"rank {s}: {n}" for s, n in bad.items())
+        raise comm.InputError(f"pyfused.{op}: topk_idx holds values outside [0, {num_experts}) "
+                              f"(num_experts={num_experts}; {where})")
+    layout = incoming[:, :el].contiguous()
+    return Routing(w, r, pair_order(topk_idx), send, layout, [row[:el] for row in received])
+
+
+def routing_from_layout(topk_idx: Tensor, layout: Tensor, pg) -> Routing:
+    """The routing of an earlier dispatch, from its ``layout`` and this rank's ``topk_idx``: no
+    exchange (``moe_combine`` and the backward passes)."""
+    w, r = comm.world_size(pg), comm.rank(pg)
+    el = layout.shape[1]
+    flat = topk_idx.reshape(-1).long().clamp(0, w * el - 1)
+    per_rank = torch.bincount(flat, minlength=w * el).view(w, el).sum(1)
+    host = torch.cat([per_rank, layout.reshape(-1)]).tolist()
+    counts = [host[w + s * el: w + (s + 1) * el] for s in range(w)]
+    return Routing(w, r, pair_order(topk_idx), host[:w], layout, counts)
+
+
+def check_layouts_fit(op: str, routing: Routing, pg) -> None:
+    """Whether every rank's layout fits every other rank's routing: the rows rank s received from
+    rank d (its layout) are the rows rank d sent to s (d's ``topk_idx``). One all-gather of 2W
+    counts; the same ``InputError`` on every rank when they do not fit."""
+    w = routing.world
+    mine = torch.tensor(routing.recv + routing.send, dtype=torch.int64,
+                        device=comm.comm_device(pg))
+    every = mine.new_empty((w * 2 * w,))
+    comm.all_gather_single(every, mine, group=pg)
+    table = every.view(w, 2 * w).tolist()
+    for dest in range(w):
+        for source in range(w):
+            got, sent = table[dest][source], table[source][w + dest]
+            if got != sent:
+                raise comm.InputError(
+                    f"pyfused.{op}: the layouts do not fit the routing: rank {dest}'s layout says "
+                    f"it received {got} rows from rank {source}, whose topk_idx sends it {sent}; "
+                    f"pass every rank the layout moe_dispatch returned for the same topk_idx")
+
+
+def exchange(op: str, rows: Tensor, send: List[int], recv: List[int], pg) -> Tensor:
+    """One all_to_all_single of ``rows`` (blocks of ``send`` rows to each rank) -> the blocks of
+    ``recv`` rows from each rank."""
+    start = now()
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    fault_point(f"{op}.transfer:before")
+    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=pg)
+    note("all_to_all", start)
+    return out
+
+
+class PeerTransfers:
+    """The transfers of one exchange between this rank and each peer: every receive posted at
+    construction (one per peer with rows to send here), each send posted by ``send_to`` as soon as
+    its rows are ready; the caller waits for each source's block with ``wait_from`` and ends with
+    ``finish``. Waits are bounded by the group's timeout (``transfer_timeout``)."""
+
+    def __init__(self, op: str, pg, out: Tensor, recv: List[int]):
+        self.op, self.pg = op, pg
+        self.timeout = transfer_timeout(pg, out.device)
+        w, r = comm.world_size(pg), comm.rank(pg)
+        at = offsets(recv)
+        self.incoming: Dict[int, object] = {}
+        self.outgoing: List[object] = []
+        fault_point(f"{op}.transfer:before")
+        for step in range(1, w):
+            source = (r - step) % w
+            if recv[source]:
+                self.incoming[source] = dist.irecv(block(out, at, source),
+                                                   comm.global_rank(self.pg, source), group=pg)
+
+    def send_to(self, dest: int, rows: Tensor) -> None:
+        if rows.shape[0]:
+            self.outgoing.append(dist.isend(rows, comm.global_rank(self.pg, dest), group=self.pg))
+
+    def wait_from(self, source: int) -> None:
+        work = self.incoming.pop(source, None)
+        if work is not None:
+            start = now()
+            with comm.failures_named(self.op, self.pg, "decomposed", peer=source):
+                work.wait(self.timeout)
+            note("wait", start)
+
+    def finish(self) -> None:
+        for source in list(self.incoming):
+            self.wait_from(source)
+        for work in self.outgoing:
+            with comm.failures_named(self.op, self.pg, "decomposed"):
+                work.wait(self.timeout)
+        self.outgoing = []
+
+
+def source_order(world: int, rank: int) -> List[int]:
+    """This rank, then the others around the ring: the order in which the decomposed dispatch takes
+    the blocks of the source ranks (its own needs no transfer), and, reversed, the order in which
+    the decomposed combine computes the blocks it sends back (its own last)."""
+    return [(rank - step) % world for step in range(world)]
+
+
+def block(t: Tensor, at: List[int], i: int) -> Tensor:
+    return t[at[i]:at[i + 1]]
+

@@ -1,0 +1,101 @@
+"""Expert parallelism in ``parallelize``: the ``ep`` mesh dim.
+
+The ranks along ``ep`` are data-parallel ranks that share the experts out (torchtitan's layout):
+each feeds its own batch, every experts module of the plan (style ``experts``) becomes an
+``ExpertParallelExperts`` over the ep group holding E/ep of the experts, and every other
+parameter stays whole. Gradients then average over the ep ranks as data parallelism averages them
+over dp: a replicated parameter's gradient is all-reduced over ep and divided by ep (a hook per
+parameter, as backward produces it); an expert's gradient already sums every ep rank's tokens
+routed to it and is divided by ep. With a dp dim as well, DDP averages everything over dp on top
+(the experts are the same on every dp rank of an ep group), so the step is the full batch's.
+Composes with tp: attention shards over tp as usual, the MoE block runs on each tp rank's
+tokens (its sequence shard under sequence parallelism) and the all-to-all runs among the ranks
+of the same tp coordinate.
+
+``check`` (local, no communication): the plan has experts when ep > 1, each divisible by ep; no
+pipeline and no fully sharded dp with ep > 1 (not supported). ``apply`` replaces the modules and
+records each expert parameter's ``ShardSpec`` (dim 0 over the ep group), so that
+``full_state_dict``, ``clip_grad_norm_`` and DCP checkpoints see the original tensors;
+``average_gradients`` installs the hooks, after tensor parallelism replaced its modules.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..layers.moe import ExpertParallelExperts
+from .plans import ResolvedPlan
+from .shard import ShardSpec
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def _experts(model: nn.Module, resolved: ResolvedPlan) -> List[str]:
+    modules = dict(model.named_modules())
+    return [n for n, s in resolved.styles.items() if s == "experts" and n in modules]
+
+
+def check(model: nn.Module, resolved: ResolvedPlan, ep: int, pp: int, dp: str) -> Optional[str]:
+    """The first reason expert parallelism of size ``ep`` cannot apply, or None."""
+    names = _experts(model, resolved)
+    if ep == 1:
+        return None
+    if not names:
+        return (f"the mesh has an ep dim of size {ep}, but the plan names no experts module "
+                f"(style 'experts'): the model has no mixture-of-experts layer pyfused can shard")
+    if pp > 1:
+        return "expert parallelism (ep > 1) with pipeline parallelism (pp > 1) is not supported"
+    if dp != "ddp":
+        return f"expert parallelism (ep > 1) with dp={dp!r} is not supported; use dp='ddp'"
+    modules = dict(model.named_modules())
+    for name in names:
+        count = modules[name].gate_up_proj.shape[0]
+        if count % ep:
+            return (f"{name}: its {count} experts are not divisible by the expert-parallel size "
+                    f"{ep}")
+    return None
+
+
+def apply(model: nn.Module, resolved: ResolvedPlan, pg, ep: int, rank: int, overlap: str,
+          specs: Dict[int, ShardSpec]) -> None:
+    """Replace every experts module by an ``ExpertParallelExperts`` over ``pg`` (the ep group) and
+    record its parameters' specs in ``specs``; nothing at ep = 1."""
+    if ep == 1:
+        return
+    for name in _experts(model, resolved):
+        module = model.get_submodule(name)
+        layer = ExpertParallelExperts(module, pg, method=overlap)
+        for attr in EXPERT_PARAMETERS:
+            full = tuple(getattr(module, attr).shape)
+            specs[id(getattr(layer, attr))] = ShardSpec(full, dim=0, world=ep, rank=rank, group=pg)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+
+
+def average_gradients(model: nn.Module, pg, ep: int) -> None:
+    """Average every gradient over the ep ranks' batches (module docstring): one hook per
+    parameter, firing in the same order on every rank (they run the same graph)."""
+    if ep == 1:
+        return
+    experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelExperts)
+               for p in m.parameters()}
+    for p in model.parameters():
+        p.register_hook(_scaled(ep) if id(p) in experts else _averaged(pg, ep))
+
+
+def _scaled(ep: int):
+    def hook(grad):
+        return grad / ep
+    return hook
+
+
+def _averaged(pg, ep: int):
+    def hook(grad):
+        grad = grad.contiguous().clone()
+        with comm.failures_named("parallelize expert-parallel gradient average", pg):
+            dist.all_reduce(grad, group=pg)
+        return grad.div_(ep)
+    return hook
