@@ -5,10 +5,16 @@ ones: ZB-H1, interleaved zero bubble and ZBV with 2 stages per rank, DualPipeV) 
 split the same way (an even split of identical blocks, so the theory's equal-stage assumption
 holds), runs with the same microbatch count m = 4p under both implementations in the same process
 group. torch has no ZB-H1 class; its row runs torch's ``ScheduleInterleavedZeroBubble`` with one
-stage per rank (its ZB1P order), named in ``torch_schedule``.
-Rows carry, per implementation (``method``: torch | pyfused; ``shape``: schedule, p, v, m):
+stage per rank (its ZB1P order), named in ``torch_schedule``. The split-backward schedules run
+twice in pyfused: ``pyfused`` with the fixed orders (built for F = B = W) and ``pyfused-measured``
+with ``costs="measure"``: its first (untimed) step measures every stage's F, B and W, and the
+orders of the timed steps are built from those times (pipeline/cost_orders.py).
+Rows carry, per implementation (``method``: torch | pyfused | pyfused-measured; ``shape``:
+schedule, p, v, m):
   * ``time_ms``: median step time (harness.time_fn: barrier, every rank, slowest rank per iteration);
   * ``speedup``: torch time / this time; ``vs_torch`` (pyfused rows): pyfused / torch (goal <= 1.0);
+  * ``speedup_paired``: the median over rounds of torch's step time / this step time, the two
+    measured in the same round (> 1: faster than torch), the estimate least moved by load drift;
   * ``bubble_theory``: (p-1) / (v*m + p-1) for the unsplit schedules; for the split ones the
     idle fraction of pyfused's order replayed on the unit-time model (F = B = W), which for ZB-H1
     is the paper's (p-1) / (3m + p-1) (pipeline/zero_bubble.py);
@@ -18,8 +24,12 @@ Rows carry, per implementation (``method``: torch | pyfused; ``shape``: schedule
     transfer and scheduling overhead;
   * ``bubble_timeline`` (pyfused only): median over the timed steps of 1 - compute / step span
     (from recorded events, averaged over ranks), and ``timeline_png``: the step of median length
-    drawn (compute and transfers per rank; B and W in separate colours); without matplotlib (or
-    when drawing fails) the plot is skipped, ``timeline_png`` is empty and ``note`` says why.
+    drawn (compute and transfers per rank; B and W in separate colours), above the same order
+    replayed with the measured costs; without matplotlib (or when drawing fails) the plot is
+    skipped, ``timeline_png`` is empty and ``note`` says why;
+  * ``bubble_predicted`` (pyfused split-backward rows): the idle fraction of the row's order
+    replayed with the measured F, B, W times (the same average over ranks as ``bubble_timeline``),
+    and ``stage_costs_ms``: those times, F/B/W per stage.
 The candidates (torch step, pyfused step, compute only) alternate iteration by iteration, each
 timed by harness.time_fn, so a load change on a shared machine hits all three alike.
 
@@ -42,8 +52,9 @@ from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, metadata, time_fn
 from pyfused import pipeline as pf
 from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
-from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order
-from pyfused.pipeline.zero_bubble import unit_bubble
+from pyfused.pipeline.cost_orders import cost_of
+from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order, stage_rank
+from pyfused.pipeline.zero_bubble import bubble_of, replay, unit_bubble
 
 MULTI_RANK = True
 
@@ -69,15 +80,19 @@ def build_model(width: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _make(module, index, kind, mods, stage_ids, n_stages, m, device, pg):
+def _make(module, index, kind, mods, stage_ids, n_stages, m, device, pg, **extra):
     stages = [module.PipelineStage(mods[s], s, n_stages, device, group=pg) for s in stage_ids]
     cls = getattr(module, CLASSES[kind][index])
     single = CLASSES[kind][2] and not (index == 1 and kind == "zbh1")
-    return cls(stages[0] if single else stages, m, nn.MSELoss())
+    return cls(stages[0] if single else stages, m, nn.MSELoss(), **extra)
 
 
 def _ours(*args):
     return _make(pf, 0, *args)
+
+
+def _ours_measured(*args):
+    return _make(pf, 0, *args, costs="measure")
 
 
 def _torch(*args):
@@ -115,6 +130,12 @@ def _compute_only(mods, stage_ids, x_mb, m: int):
     return run_once
 
 
+def _predicted(kind: str, orders, p: int, v: int, costs):
+    """Every action's (start, end) ms when ``orders`` run with ``costs``, and the bubble."""
+    times = replay(orders, p, p * v, kind in V_SHAPED, cost_of(costs))
+    return times, bubble_of(orders, times)
+
+
 def _stepper(sched, mods, args, target, recorders=None):
     def one_step():
         for mod in mods:
@@ -130,7 +151,7 @@ def _stepper(sched, mods, args, target, recorders=None):
     return one_step
 
 
-def draw_timeline(events, png: Path, title: str) -> str:
+def draw_timeline(events, png: Path, title: str, predicted=None, predicted_title: str = "") -> str:
     """Draw one step's timeline; return "" or, when it could not be drawn, a note saying why. The
     picture is an optional extra: without matplotlib, or if drawing fails, the suite goes on."""
     try:
@@ -139,12 +160,38 @@ def draw_timeline(events, png: Path, title: str) -> str:
         note = "timeline plot skipped: matplotlib is not installed (pip install matplotlib)"
     else:
         try:
-            timeline.draw(events, png, title)
+            timeline.draw(events, png, title, predicted, predicted_title)
             return ""
         except Exception as e:  # noqa: BLE001 - a picture never fails the measurements
             note = f"timeline plot skipped: drawing it raised {type(e).__name__}: {e}"
     logger.warning("bench pipeline: %s", note)
     return note
+
+
+def _pyfused_columns(ctx, kind, p, v, m, impl, sched, recorders, costs, out_dir: Path) -> Dict:
+    """bubble_timeline, bubble_predicted, stage_costs_ms and the PNG of one pyfused variant."""
+    events = [timeline.gather(r, ctx.group) for r in recorders]
+    bubbles = [timeline.bubble(e) for e in events]
+    median_step = sorted(range(len(events)), key=lambda i: timeline.span(events[i]))[len(events) // 2]
+    predicted, predicted_title, cols = None, "", {}
+    if costs is not None:
+        times, bubble = _predicted(kind, sched.orders, p, v, costs)
+        cols = {"bubble_predicted": bubble,
+                "stage_costs_ms": "; ".join("/".join(f"{t:.3f}" for t in c) for c in costs)}
+        predicted = timeline.planned(times, lambda s: stage_rank(s, p, kind in V_SHAPED), p)
+        predicted_title = (f"predicted: this order replayed with the measured F/B/W ms per stage "
+                           f"({cols['stage_costs_ms']}), bubble {bubble:.3f}")
+    suffix = "_measured" if impl == "pyfused-measured" else ""
+    png = out_dir / f"pipeline_timeline_{kind}{suffix}_p{p}_m{m}.png"
+    note = ""
+    if ctx.rank == 0:
+        note = draw_timeline(events[median_step], png,
+                             f"{impl} {kind}: {p} ranks x {v} stages, {m} microbatches, "
+                             f"{ctx.backend} on {metadata(ctx)['device']} (measured: the step of "
+                             f"median length, bubble {bubbles[median_step]:.3f})",
+                             predicted, predicted_title)
+    return {**cols, "bubble_timeline": statistics.median(bubbles),
+            "timeline_png": "" if note else str(png), "note": note}
 
 
 def run(ctx: BenchContext) -> List[Dict]:
@@ -169,14 +216,19 @@ def run(ctx: BenchContext) -> List[Dict]:
         y = torch.randn(m * rows, width, generator=g).to(ctx.device)
         args = (x,) if 0 in stage_ids else ()
         target = y if n_stages - 1 in stage_ids else None
-        recorders: List = []
-        fns = {}
-        for impl, make in (("torch", _torch), ("pyfused", _ours)):
+        split_kind = kind in SPLIT_BACKWARD
+        impls = [("torch", _torch), ("pyfused", _ours)]
+        if split_kind:
+            impls.append(("pyfused-measured", _ours_measured))
+        recorders: Dict[str, List] = {impl: [] for impl, _ in impls if impl != "torch"}
+        fns, scheds = {}, {}
+        for impl, make in impls:
             mods = [m_.to(ctx.device) for m_ in
                     split(copy.deepcopy(model), n_stages, split_points=starts).stages]
-            sched = make(kind, mods, stage_ids, n_stages, m, ctx.device, ctx.group)
-            fns[impl] = _stepper(sched, mods, args, target,
-                                 recorders if impl == "pyfused" else None)
+            scheds[impl] = make(kind, mods, stage_ids, n_stages, m, ctx.device, ctx.group)
+            fns[impl] = _stepper(scheds[impl], mods, args, target, recorders.get(impl))
+        if split_kind:  # the measuring step, untimed: the timed steps run the measured orders
+            fns["pyfused-measured"]()
         compute_mods = [m_.to(ctx.device) for m_ in split(copy.deepcopy(model), n_stages,
                                                           split_points=starts).stages]
         fns["compute"] = _compute_only(compute_mods, stage_ids, x[:rows], m)
@@ -189,32 +241,25 @@ def run(ctx: BenchContext) -> List[Dict]:
                 if it >= ctx.warmup:
                     times[k].append(t)
         med = {k: statistics.median(v_) for k, v_ in times.items()}
-        recorded = recorders[ctx.warmup:]
-        events = [timeline.gather(r, ctx.group) for r in recorded]
-        bubbles = [timeline.bubble(e) for e in events]
-        median_step = sorted(range(len(events)), key=lambda i: timeline.span(events[i]))[len(events) // 2]
-        png = out_dir / f"pipeline_timeline_{kind}_p{p}_m{m}.png"
-        note = ""
-        if rank == 0:
-            note = draw_timeline(events[median_step], png,
-                                 f"pyfused {kind}: {p} ranks x {v} stages, {m} microbatches, "
-                                 f"{ctx.backend} on {metadata(ctx)['device']} (the step of median "
-                                 f"length)")
-        for impl in ("torch", "pyfused"):
+        costs = scheds["pyfused-measured"].stage_costs if split_kind else None
+        for impl, _ in impls:
             # time_ms / method / shape / speedup are the CLI table's own columns (pyfused/bench/table.py)
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
                    "dtype": "float32", "method": impl, "time_ms": med[impl],
                    "speedup": med["torch"] / med[impl],
+                   "speedup_paired": statistics.median(
+                       t / u for t, u in zip(times["torch"], times[impl])),
                    "bubble_theory": _theory(kind, p, v, m),
                    "torch_schedule": CLASSES[kind][1],
                    "bubble_step": 1 - med["compute"] / med[impl],
-                   "bubble_timeline": float("nan"), "compute_only_ms": med["compute"],
+                   "bubble_timeline": float("nan"), "bubble_predicted": float("nan"),
+                   "compute_only_ms": med["compute"],
                    "schedule": kind, "stages_per_rank": v, "microbatches": m, "width": width,
                    "blocks": blocks, "rows_per_microbatch": rows, "iters": iters}
-            if impl == "pyfused":
-                row.update(vs_torch=med[impl] / med["torch"],
-                           bubble_timeline=statistics.median(bubbles),
-                           timeline_png="" if note else str(png), note=note)
+            if impl != "torch":
+                row.update(_pyfused_columns(ctx, kind, p, v, m, impl, scheds[impl],
+                                            recorders[impl][-iters:], costs, out_dir))
+                row["vs_torch"] = med[impl] / med["torch"]
             rows_out.append(row)
     return rows_out
 
@@ -239,10 +284,11 @@ def _main() -> None:
     if ctx.rank == 0:
         paths = write_results(rows, Path(args.out), "pipeline")
         for r in rows:
-            print(f"{r['schedule']:>17} {r['method']:>8}  step {r['time_ms']:8.2f} ms  bubble: theory "
-                  f"{r['bubble_theory']:.3f} step {r['bubble_step']:.3f}"
-                  + (f" timeline {r['bubble_timeline']:.3f}  vs torch {r['vs_torch']:.3f}"
-                     if r["method"] == "pyfused" else ""))
+            print(f"{r['schedule']:>17} {r['method']:>16}  step {r['time_ms']:8.2f} ms  paired "
+                  f"speedup {r['speedup_paired']:.3f}  bubble: theory {r['bubble_theory']:.3f} "
+                  f"step {r['bubble_step']:.3f}"
+                  + (f" timeline {r['bubble_timeline']:.3f} predicted {r['bubble_predicted']:.3f}"
+                     if r["method"] != "torch" else ""))
         print("wrote", *paths, *[r["timeline_png"] for r in rows if r.get("timeline_png")])
     dist.destroy_process_group()
 

@@ -178,11 +178,14 @@ def test_v_placement_and_counts():
 
 # --- training on gloo ranks --------------------------------------------------------------------
 
-def make_schedule(kind, stages, m, loss_fn):
+def make_schedule(kind, stages, m, loss_fn, costs=None):
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zbh1": ScheduleZBH1}
     multi = {"interleaved": ScheduleInterleaved1F1B, "interleaved_zb": ScheduleInterleavedZeroBubble,
              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-    return single[kind](stages[0], m, loss_fn) if kind in single else multi[kind](stages, m, loss_fn)
+    extra = {"costs": costs} if costs is not None else {}
+    if kind in single:
+        return single[kind](stages[0], m, loss_fn, **extra)
+    return multi[kind](stages, m, loss_fn, **extra)
 
 
 def batch(step: int, rows: int):
@@ -190,7 +193,7 @@ def batch(step: int, rows: int):
     return torch.randn(rows, 12, generator=g), torch.randn(rows, 7, generator=g)
 
 
-def train_and_compare(rank, world, schedule, v, m, rows):
+def train_and_compare(rank, world, schedule, v, m, rows, costs=None):
     model = build_model("mlp")
     ref = copy.deepcopy(model)
     ref_chain = PipelineSegment(layer_units(ref))
@@ -199,11 +202,12 @@ def train_and_compare(rank, world, schedule, v, m, rows):
     mods, _ = split(model, n_stages, split_points=even_starts(len(layer_units(model)), n_stages))
     stages = [PipelineStage(mods[s], s, n_stages, "cpu") for s in mine]
     loss_fn = nn.MSELoss()
-    sched = make_schedule(schedule, stages, m, loss_fn)
+    sched = make_schedule(schedule, stages, m, loss_fn, costs)
     params = [p for s in mine for p in mods[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if params else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     names = {id(p): n for n, p in model.named_parameters()}
+    used = []  # (costs, every rank's orders) of each step
     for step in range(STEPS):
         x, y = batch(step, rows)
         if opt:
@@ -227,6 +231,7 @@ def train_and_compare(rank, world, schedule, v, m, rows):
             opt.step()
         ref_opt.step()
         assert all(not st._state for st in stages), "a microbatch outlived its step"
+        used.append((sched.stage_costs, sched.orders))
         if step == 1:
             allocated = sched._transport.pool.allocated
     # Receive buffers held from B to W return to the pool: the third step allocates none.
@@ -237,7 +242,7 @@ def train_and_compare(rank, world, schedule, v, m, rows):
     out = sched.eval(*((x,) if 0 in mine else ()), target=y if n_stages - 1 in mine else None)
     if n_stages - 1 in mine:
         assert_close(out, ref_chain(x).detach(), name="eval output")
-    return True
+    return used
 
 
 CASES = [
@@ -267,6 +272,49 @@ def test_matches_unsplit_training(ranks, schedule, world, v, m, rows):
     assert all(ranks.run(world, train_and_compare, schedule, v, m, rows, timeout=TIMEOUT))
 
 
+# W cheap against B, a first stage without B and a heavy last stage (the loss): orders unlike the
+# fixed ones (each case checks that its order differs)
+def skewed(n_stages):
+    return [(1.0 + 1.5 * (s == n_stages - 1), 0.05 if s == 0 else 1.0, 1.6 if s == 0 else 0.4)
+            for s in range(n_stages)]
+
+
+ZBH1_COSTS = [(0.9, 0.9, 0.7), (1.4, 1.0, 0.3), (0.5, 1.3, 0.5)]  # fixed ZB-H1 is no best here
+COST_CASES = [
+    # (schedule, world, stages per rank, microbatches, batch rows, costs); grid cut for 2 cores:
+    # each schedule once, world 2-4, m below, equal to and above the stage count
+    ("zbh1", 2, 1, 4, 12, "measure"),
+    ("zbh1", 3, 1, 6, 13, ZBH1_COSTS),
+    ("interleaved_zb", 2, 2, 4, 8, "skewed"),
+    ("zbv", 3, 2, 6, 12, "skewed"),
+    ("dualpipev", 2, 2, 3, 7, "measure"),
+    ("dualpipev", 4, 2, 4, 10, "skewed"),
+]
+COST_TIMEOUT = 180  # ranks also build the cost orders (under a second each on an idle core)
+
+
+@pytest.mark.parametrize("schedule,world,v,m,rows,costs", COST_CASES,
+                         ids=[f"{c[0]}-w{c[1]}-m{c[3]}-{c[5] if isinstance(c[5], str) else 'table'}"
+                              for c in COST_CASES])
+def test_orders_from_costs_match_unsplit_training(ranks, schedule, world, v, m, rows, costs):
+    """Orders built from given or measured costs train exactly as one process does; every rank
+    uses the same costs and orders; measured costs take effect after the first step."""
+    table = skewed(world * v) if costs == "skewed" else costs
+    costs = "table" if isinstance(costs, list) else costs
+    results = ranks.run(world, train_and_compare, schedule, v, m, rows, table,
+                        timeout=COST_TIMEOUT)
+    assert all(r == results[0] for r in results), "ranks used different costs or orders"
+    fixed = {r: list(o) for r, o in zero_bubble_orders(schedule, world, v, m, True).items()}
+    if costs == "measure":
+        assert results[0][0][1] == fixed  # the first step runs the fixed order and measures
+        measured = results[0][0][0]
+        assert len(measured) == world * v and all(t > 0 for row in measured for t in row)
+        assert all(c == measured for c, _ in results[0])
+    else:
+        assert all(c == tuple(map(tuple, table)) for c, _ in results[0])
+        assert results[0][0][1] != fixed, "the skewed costs should change the order"
+
+
 def error_case(rank, world, case):
     from pyfused.comm import InputError
 
@@ -280,6 +328,12 @@ def error_case(rank, world, case):
         stages = [PipelineStage(nn.Linear(6, 6), s, 2 * world, "cpu")
                   for s in local_stages(rank, world, 2)]
         sched, last = ScheduleDualPipeV(stages, 4, nn.MSELoss()), 2 * world - 1
+    elif case in ("costs_differ", "costs_wrong_length"):
+        stages = [PipelineStage(nn.Linear(6, 6), s, 2 * world, "cpu")
+                  for s in local_stages(rank, world, 2, v_shaped=True)]
+        n = 2 * world - (case == "costs_wrong_length")
+        costs = [(1.0, 1.0, 1.0 + (rank == 1 and case == "costs_differ"))] * n
+        sched, last = ScheduleZBVZeroBubble(stages, 4, nn.MSELoss(), costs=costs), 0
     else:  # zbh1_two_per_rank: torch's single-stage schedule given a multi-stage model
         stage = PipelineStage(nn.Linear(6, 6), rank, 2 * world, "cpu")
         sched, last = ScheduleZBH1(stage, 4, nn.MSELoss()), 2 * world - 1
@@ -302,6 +356,8 @@ ERRORS = {
     "zbv_three_per_rank": "exactly 2 stages per rank",
     "zbv_loop_placement": "torch's V placement",
     "zbh1_two_per_rank": "num_stages",
+    "costs_differ": "costs (none, \"measure\", or the table's hash) differs between ranks",
+    "costs_wrong_length": "costs must hold one (F, B, W) triple per stage (6 stages)",
 }
 
 

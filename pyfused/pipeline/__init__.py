@@ -10,7 +10,8 @@ Modules: actions.py (the orders' vocabulary), plan.py (pure orders and transfer 
 simulator), balance.py (pure partitioning), stage.py, meta.py (shape agreement), p2p.py (batched,
 overlapped transfers), executor.py, schedules.py, errors.py (same error on every rank), autosplit.py
 (split), timeline.py, split_backward.py (B and W of any module), zero_bubble.py (orders of the
-split-backward schedules).
+split-backward schedules), cost_orders.py (their orders from measured F, B, W times), costs.py
+(measuring those times and agreeing on them).
 """
 from .balance import even_starts, partition, stage_sums
 from .errors import PipelineError

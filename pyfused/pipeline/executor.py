@@ -24,7 +24,7 @@ class StepRun:
     def __init__(self, stages: Sequence[PipelineStage], transport: Transport, p: int, *,
                  backward: bool, loss_fn, scale: Sequence[float], arg_mbs: List[Tuple],
                  target_mbs: Optional[List], recorder=None, split_backward: bool = False,
-                 v_shaped: bool = False):
+                 v_shaped: bool = False, meter=None):
         self.stages: Dict[int, PipelineStage] = {st.stage_index: st for st in stages}
         self.num_stages = stages[0].num_stages
         self.tr = transport
@@ -37,6 +37,7 @@ class StepRun:
         self.arg_mbs = arg_mbs
         self.target_mbs = target_mbs
         self.recorder = recorder
+        self.meter = meter  # a costs.CostMeter: times every compute action of this step
         self.error: Optional[str] = None
         self._outbox: Dict[Message, Tuple[torch.Tensor, ...]] = {}  # produced, not yet posted
         self._local: Dict[Message, Tuple[torch.Tensor, ...]] = {}   # for a stage on this rank
@@ -96,8 +97,12 @@ class StepRun:
                     out = self._backward(st, a.mb, received, bufs)
                 else:
                     out = self._weight(st, a.mb)
-                if self.recorder is not None:
-                    self.recorder.compute(a, t0, time.perf_counter())
+                if self.recorder is not None or self.meter is not None:
+                    t1 = time.perf_counter()
+                    if self.recorder is not None:
+                        self.recorder.compute(a, t0, t1)
+                    if self.meter is not None:
+                        self.meter.add(a, (t1 - t0) * 1e3)
                 msg = produced(a, self.num_stages)
                 if msg is not None:
                     (self._outbox if self._remote(msg) else self._local)[msg] = out

@@ -49,6 +49,7 @@ from .actions import (  # noqa: F401  (local_stages: re-exported with the rest o
     BACKWARD, FORWARD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, local_stages, rounds,
     stage_rank,
 )
+from .cost_orders import Costs, measured_orders
 from .zero_bubble import zero_bubble_orders
 
 ACT, GRAD = "act", "grad"
@@ -312,28 +313,38 @@ def bubble_theory(p: int, m: int, v: int = 1) -> float:
 
 
 def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: bool,
-                lookahead: int = DEFAULT_LOOKAHEAD):
+                lookahead: int = DEFAULT_LOOKAHEAD, costs: Optional[Costs] = None):
     """Orders and the plan of every rank for a backend whose batches complete per operation
     (``grouped=False``: gloo) or as ordered groups (``grouped=True``: NCCL's coalesced p2p).
 
-    The compute order never depends on the backend. The plan posts receives ``lookahead`` actions
+    With ``costs`` (measured F, B, W per stage) a split-backward schedule of a training step takes
+    the first of ``cost_orders.measured_orders`` (best predicted first, the fixed order among them)
+    that has a deadlock-free plan. The compute order never depends on the backend. The plan posts receives ``lookahead`` actions
     ahead where the simulator proves that safe; under grouped completion a receive posted early
     holds back every later batch of its rank, so for some (schedule, p, v, m) a smaller lookahead
     is taken (logged by the caller). Returns (orders, plans, lookahead used); raises ``PlanError``
     if no lookahead down to 0 is safe (not seen for any p <= 6, v <= 4, m <= 16; see the tests).
     """
-    orders = {r: rank_order(schedule, r, p, v, m, backward) for r in range(p)}
+    if costs is not None and backward and schedule in SPLIT_BACKWARD:
+        err = check_counts(schedule, p, v, m)
+        if err:
+            raise ValueError(err)
+        candidates = [{r: list(o) for r, o in orders.items()}
+                      for orders in measured_orders(schedule, p, v, m, costs)]
+    else:
+        candidates = [{r: rank_order(schedule, r, p, v, m, backward) for r in range(p)}]
     v_shaped = schedule in V_SHAPED
     errors = []
-    for look in range(lookahead, -1, -1):
-        plans = build_plan(orders, p, p * v, look, v_shaped)
-        try:
-            simulate(orders, plans, p, p * v, grouped, v_shaped)
-            return orders, plans, look
-        except PlanError as e:
-            errors.append(f"lookahead {look}: {e}")
+    for orders in candidates:
+        for look in range(lookahead, -1, -1):
+            plans = build_plan(orders, p, p * v, look, v_shaped)
+            try:
+                simulate(orders, plans, p, p * v, grouped, v_shaped)
+                return orders, plans, look
+            except PlanError as e:
+                errors.append(f"lookahead {look}: {e}")
     raise PlanError(f"no deadlock-free transfer plan for {schedule} with {p} ranks, {v} stages per "
-                    f"rank, {m} microbatches: " + "; ".join(errors))
+                    f"rank, {m} microbatches: " + "; ".join(errors[:lookahead + 1]))
 
 
 def describe(order: Sequence[Action]) -> str:

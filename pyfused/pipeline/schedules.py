@@ -15,6 +15,12 @@ A step:
      agreed one, fails the step with the same ``PipelineError`` on every rank.
 Steps 1 and 4 are skipped with ``pyfused.comm.set_validation(False)``.
 
+Orders of the split-backward schedules: by default the fixed ones (zero_bubble.py, built for equal
+F, B and W times). With ``costs=`` a table of (F, B, W) milliseconds per stage, or ``"measure"``
+(the first training step runs the fixed order and times every action, costs.py), the orders come
+from those costs (cost_orders.py) within the fixed order's activation memory; ``stage_costs`` and
+``orders`` show what a step used.
+
 Microbatches: every positional argument (and the target) is split along dim 0 like
 ``torch.tensor_split(t, n_microbatches)``: when ``n_microbatches`` does not divide the batch ``b``,
 the first ``b % n_microbatches`` microbatches get one row more.
@@ -37,6 +43,8 @@ from .. import comm
 from .._logging import logger
 from . import meta
 from .accumulation import stage_module_problem
+from .cost_orders import Costs, as_costs, check_costs
+from .costs import CostMeter, agree_costs
 from .errors import agree_step, raise_if_any
 from .executor import StepRun
 from .p2p import Transport, completes_as_group
@@ -53,7 +61,8 @@ class _PipelineSchedule:
     _schedule = ""
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn=None,
-                 scale_grads: bool = True, lookahead: int = DEFAULT_LOOKAHEAD, **torch_only):
+                 scale_grads: bool = True, lookahead: int = DEFAULT_LOOKAHEAD, costs=None,
+                 **torch_only):
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             # Without a stage there is no group to report on; this one can only raise here.
             raise TypeError(f"{type(self).__name__} needs pyfused.pipeline.PipelineStage objects")
@@ -95,6 +104,18 @@ class _PipelineSchedule:
         self._grouped = completes_as_group(self._pg, self._device)
         self._meta_key = None
         self._plans: Dict[tuple, Any] = {}
+        self._measure = isinstance(costs, str) and costs == "measure"
+        self._costs: Optional[Costs] = None if costs is None or self._measure else costs
+        if self._error is None and costs is not None and not self._measure:
+            err = check_costs(costs, self._stages[0].num_stages)
+            self._error = f"{err}, or \"measure\"" if err else None
+            self._costs = as_costs(costs) if err is None else None
+        self.orders: Optional[Dict[int, List]] = None  # every rank's order in the last step
+
+    @property
+    def stage_costs(self) -> Optional[Costs]:
+        """(F, B, W) milliseconds per stage that the orders are built from (None: unit costs)."""
+        return self._costs
 
     # --- torch-compatible entry points ---------------------------------------------------------
 
@@ -141,7 +162,7 @@ class _PipelineSchedule:
         ints = (SCHEDULES.index(self._schedule), m, num_stages, len(self._stages), self._p,
                 int(backward), int(bool(self.scale_grads)), len(args) if first else 0,
                 int(isinstance(target, torch.Tensor)), arg_hash if first else 0, len(indices),
-                *indices[:MAX_LOCAL])
+                *indices[:MAX_LOCAL], self._costs_code())
         return ints, shown + [target if isinstance(target, torch.Tensor) else None]
 
     def _check(self, sigs: List[comm.Signature], backward: bool) -> Optional[str]:
@@ -153,6 +174,10 @@ class _PipelineSchedule:
             msg = comm.differs(sigs, name, lambda s, i=i: s.ints[1 + i])
             if msg:
                 return msg
+        msg = comm.differs(sigs, "costs (none, \"measure\", or the table's hash)",
+                           lambda s: s.ints[-1])
+        if msg:
+            return msg
         _, sched, m, num_stages, v, p, _, _ = sigs[0].ints[:8]
         err = check_counts(SCHEDULES[sched], p, v, m)
         if err:
@@ -218,15 +243,20 @@ class _PipelineSchedule:
         for s in self._stages:
             s.reset_step()
         orders, plans, look = self._plan(backward)
+        self.orders = orders
+        meter = CostMeter() if backward and self._measure and self._costs is None else None
         n_large = args[0].shape[0] % m if first and args else 0  # one row more (tensor_split)
         self._ensure_metas(sigs, arg_mbs if first else None, n_large)
         run = StepRun(self._stages, self._transport, self._p, backward=backward,
                       loss_fn=self._loss_fn, scale=self._loss_scales(target_mbs, m),
                       arg_mbs=arg_mbs, target_mbs=target_mbs, recorder=self.timeline,
                       split_backward=self._schedule in SPLIT_BACKWARD,
-                      v_shaped=self._schedule in V_SHAPED)
+                      v_shaped=self._schedule in V_SHAPED, meter=meter)
         run.run(plans[self._rank])
         raise_if_any(self._pg, run.error, comm.comm_device(self._pg))
+        if meter is not None:
+            self._costs = agree_costs(self._pg, meter, [s.stage_index for s in self._stages],
+                                      self._stages[0].num_stages, comm.comm_device(self._pg))
         if last is None:
             return None
         if losses is not None and last.losses:
@@ -256,15 +286,25 @@ class _PipelineSchedule:
                                self._schedule in V_SHAPED)
         raise_if_any(self._pg, error, comm.comm_device(self._pg))
         self._meta_key = key
+        if self._measure:  # new shapes: the times measured on the old ones no longer hold
+            self._costs = None
         self._transport.pool.clear()
         logger.debug("pipeline activations: %s", meta.describe_all(self._stages))
 
+    def _costs_code(self) -> int:
+        if self._measure:
+            return 1
+        if self._costs is None:
+            return 0
+        return 2 + (zlib.crc32(repr(self._costs).encode()) & 0x3FFFFFFF)
+
     def _plan(self, backward: bool):
-        key = (self._n_microbatches, backward)
+        costs = self._costs if backward else None
+        key = (self._n_microbatches, backward, costs)
         if key not in self._plans:
             v = len(self._stages)
             orders, plans, look = choose_plan(self._schedule, self._p, v, self._n_microbatches,
-                                              backward, self._grouped, self._lookahead)
+                                              backward, self._grouped, self._lookahead, costs)
             if look < self._lookahead:
                 logger.debug("%s with %d ranks, %d stages per rank, %d microbatches: receives "
                              "posted %d actions ahead, not %d, because this backend completes "
@@ -327,22 +367,31 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
                          backward_requires_autograd=backward_requires_autograd)
 
 
-class ScheduleZBH1(_SingleStageSchedule):
+class ScheduleZBH1(_PipelineSchedule):
     """ZB-H1 (Qi et al. 2024): one stage per rank, the backward split into B (input gradients,
     sent on at once) and W (weight gradients), W's held back to fill the drain. Bubble
     (p-1) / (3m + p-1) with equal F, B, W times (1F1B: (p-1) / (m + p-1)); at most ``p - rank``
-    microbatches before their B (1F1B's) and ``p - 1`` more waiting for their W."""
+    microbatches before their B (1F1B's) and ``p - 1`` more waiting for their W. ``costs``: see
+    the module docstring."""
     _schedule = "zbh1"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 scale_grads: bool = True, *, lookahead: int = DEFAULT_LOOKAHEAD, costs=None):
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads, lookahead, costs,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec)
 
 
 class _MultiStageSchedule(_PipelineSchedule):
-    """A schedule of several stages per rank (torch's multi-stage constructor signature)."""
+    """A split-backward schedule of several stages per rank (torch's multi-stage constructor
+    signature; ``costs``: see the module docstring)."""
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn=None,
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
                  scale_grads: bool = True, backward_requires_autograd: bool = True,
-                 defer_pp_recv: bool = False, *, lookahead: int = DEFAULT_LOOKAHEAD):
-        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads, lookahead,
+                 defer_pp_recv: bool = False, *, lookahead: int = DEFAULT_LOOKAHEAD, costs=None):
+        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads, lookahead, costs,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec,
                          backward_requires_autograd=backward_requires_autograd)

@@ -9,7 +9,7 @@ writes a PNG. On CUDA the timestamps are host times of enqueueing, not kernel ti
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -64,18 +64,43 @@ def bubble(events_by_rank: List[List[Dict]]) -> float:
     return sum(idle) / len(idle)
 
 
-def draw(events_by_rank: List[List[Dict]], path, title: str) -> None:
+def planned(times: Dict[Action, Tuple[float, float]], rank_of: Callable[[int], int],
+            p: int) -> List[List[Dict]]:
+    """The compute events of a replayed order (``zero_bubble.replay``: milliseconds per action)
+    in the recorder's format, one list per rank, for ``draw``'s ``predicted`` panel."""
+    out: List[List[Dict]] = [[] for _ in range(p)]
+    for a, (start, end) in sorted(times.items(), key=lambda kv: kv[1]):
+        out[rank_of(a.stage)].append({"kind": "compute", "op": a.op, "stage": a.stage,
+                                      "mb": a.mb, "start": start / 1e3, "end": end / 1e3})
+    return out
+
+
+def draw(events_by_rank: List[List[Dict]], path, title: str,
+         predicted: Optional[List[List[Dict]]] = None, predicted_title: str = "") -> None:
     """One row per rank: forward (blue), backward (green; input gradients only in a split
     schedule) and weight-gradient (purple) compute labelled stage.microbatch,
     time spent posting a batch of transfers (black, above), time blocked on a receive (red,
-    below), and a grey line per transfer from the sender's post to the end of the receiver's wait."""
+    below), and a grey line per transfer from the sender's post to the end of the receiver's wait.
+    With ``predicted`` (``planned`` events), a second panel on the same time axis below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(events_by_rank)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * n))
+    if predicted is None:
+        fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * n))
+    else:
+        fig, (ax, ax_pred) = plt.subplots(2, 1, figsize=(12, 1.6 + 1.6 * n), sharex=True)
+        _panel(ax_pred, predicted, predicted_title)
+    _panel(ax, events_by_rank, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _panel(ax, events_by_rank: List[List[Dict]], title: str) -> None:
+    n = len(events_by_rank)
     sent_at, received_at = {}, {}
     for rank, evs in enumerate(events_by_rank):
         y = n - 1 - rank
@@ -103,6 +128,3 @@ def draw(events_by_rank: List[List[Dict]], path, title: str) -> None:
     ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)])
     ax.set_xlabel("ms since the step started")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

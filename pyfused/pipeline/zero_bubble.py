@@ -35,8 +35,9 @@ it with the closed forms above).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .actions import (
     BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, rounds, stage_rank,
@@ -44,6 +45,29 @@ from .actions import (
 
 UNIT = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 UNSPLIT = {FORWARD: 1.0, BACKWARD: 2.0}  # a full backward: input and weight gradients
+# The duration of an action, and the delay a result takes to reach a stage on another rank.
+Cost = Callable[[Action], float]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of the list scheduler, per rank where a tuple.
+
+    ``limit``: stage-microbatches a rank may hold, counted from F until W (``until_w``) or until B;
+    ``w_cap``: hold W's back until the rank has no forward left, unless more than this many wait
+    (None: a W runs whenever nothing else is ready); ``pair``: run a B ready at a forward's start
+    right after it (DualPipeV); ``w_gap``: a W fills an idle gap only if the next F or B is known to
+    become ready at least ``w_gap`` times the W's duration later (0: whenever nothing is ready);
+    ``reserve``: a microbatch enters a rank (the F of its first local stage) only if ``limit``
+    leaves room for its forwards through every local stage, which then run regardless of the
+    limit -- without it, durations other than the unit ones can fill a rank of
+    a V or a loop with first-stage forwards that no B can ever free."""
+    limit: Tuple[int, ...]
+    until_w: bool = True
+    w_cap: Optional[int] = None
+    pair: bool = False
+    w_gap: float = 0.0
+    reserve: bool = False
 
 
 def memory_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
@@ -57,6 +81,15 @@ def memory_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
     return 2 * p + 1  # dualpipev
 
 
+def fixed_policy(schedule: str, p: int, v: int, m: int) -> Policy:
+    """The policy of the fixed orders (the table in the module docstring)."""
+    if schedule not in SPLIT_BACKWARD:
+        raise ValueError(f"{schedule} is not a split-backward schedule")
+    return Policy(limit=tuple(memory_limit(schedule, r, p, v, m) for r in range(p)),
+                  until_w=schedule != "zbh1", w_cap=p - 1 if schedule == "zbh1" else None,
+                  pair=schedule == "dualpipev")
+
+
 def _dependency(a: Action, num_stages: int) -> Optional[Action]:
     """The action whose result ``a`` consumes (None: the step's input)."""
     if a.op == FORWARD:
@@ -67,87 +100,122 @@ def _dependency(a: Action, num_stages: int) -> Optional[Action]:
     return Action(BACKWARD, a.stage, a.mb)
 
 
+def unit_cost(a: Action) -> float:
+    return UNIT[a.op]
+
+
 @lru_cache(maxsize=256)
 def zero_bubble_orders(schedule: str, p: int, v: int, m: int, backward: bool
                        ) -> Dict[int, Tuple[Action, ...]]:
-    """Every rank's order for one of ``SPLIT_BACKWARD`` (see the module docstring)."""
-    if schedule not in SPLIT_BACKWARD:
-        raise ValueError(f"{schedule} is not a split-backward schedule")
-    v_shaped = schedule in V_SHAPED
+    """Every rank's fixed order for one of ``SPLIT_BACKWARD`` (see the module docstring)."""
+    policy = fixed_policy(schedule, p, v, m)
+    return list_schedule(p, v, m, schedule in V_SHAPED, backward, policy, unit_cost)
+
+
+def list_schedule(p: int, v: int, m: int, v_shaped: bool, backward: bool, policy: Policy,
+                  cost: Cost, transfer: float = 0.0) -> Dict[int, Tuple[Action, ...]]:
+    """Every rank's order from the list scheduler with durations ``cost`` and a ``transfer`` delay
+    between ranks. Raises ``RuntimeError`` when the policy leaves every rank without a move."""
     num_stages = p * v
     local = {r: sorted((s for s in range(num_stages) if stage_rank(s, p, v_shaped) == r),
                        reverse=True) for r in range(p)}
-    limit = {r: memory_limit(schedule, r, p, v, m) for r in range(p)}
-    until_w = schedule != "zbh1"          # what the limit counts: until W, or until B
-    w_cap = p - 1 if schedule == "zbh1" else None
     next_f = [0] * num_stages
     next_b = [0] * num_stages
     pending_w: Dict[int, List[Action]] = {r: [] for r in range(p)}
     live = {r: 0 for r in range(p)}
+    entry = {r: min(local[r]) for r in range(p)}
+    later = {s: sum(1 for t in local[stage_rank(s, p, v_shaped)] if t > s) for s in range(num_stages)}
+    reserved = {r: 0 for r in range(p)}  # forwards that admitted microbatches still need here
     finish: Dict[Action, float] = {}
     free_at = {r: 0.0 for r in range(p)}
     orders: Dict[int, List[Action]] = {r: [] for r in range(p)}
     total = p * v * m * (3 if backward else 1)
 
-    def ready(a: Action) -> Optional[float]:
+    def ready(a: Action, r: int) -> Optional[float]:
         dep = _dependency(a, num_stages)
         if dep is None:
             return 0.0
-        return finish.get(dep)
+        done = finish.get(dep)
+        if done is None or stage_rank(dep.stage, p, v_shaped) == r:
+            return done
+        return done + transfer
+
+    def may_forward(r: int, s: int) -> bool:
+        if not backward:
+            return True
+        if policy.reserve and s != entry[r]:
+            return True  # admitted with room for this forward
+        return live[r] + (reserved[r] + 1 + later[s] if policy.reserve else 1) <= policy.limit[r]
 
     def candidates(r: int):
         out = []  # (priority, ready time, action)
         for s in local[r]:
             if backward and next_b[s] < next_f[s]:
                 a = Action(BACKWARD, s, next_b[s])
-                t = ready(a)
+                t = ready(a, r)
                 if t is not None:
                     out.append((0, t, a))
-            if next_f[s] < m and (not backward or live[r] < limit[r]):
+            if next_f[s] < m and may_forward(r, s):
                 a = Action(FORWARD, s, next_f[s])
-                t = ready(a)
+                t = ready(a, r)
                 if t is not None:
                     out.append((2, t, a))
         if pending_w[r]:
             w = pending_w[r][0]
-            if w_cap is None:
+            if policy.w_cap is None:
                 out.append((3, finish[Action(BACKWARD, w.stage, w.mb)], w))
-            elif len(pending_w[r]) > w_cap or all(next_f[s] == m for s in local[r]):
-                out.append((1 if len(pending_w[r]) > w_cap else 3,
+            elif len(pending_w[r]) > policy.w_cap or all(next_f[s] == m for s in local[r]):
+                out.append((1 if len(pending_w[r]) > policy.w_cap else 3,
                             finish[Action(BACKWARD, w.stage, w.mb)], w))
         return out
 
+    def first(cands, start: float):
+        now = [c for c in cands if c[1] <= start]
+        return min(now, key=lambda c: (c[0], -c[2].stage, c[2].mb))
+
+    def propose(r: int):
+        """(start, action) of the rank's next move, or None."""
+        cands = candidates(r)
+        if not cands:
+            return None
+        start = max(free_at[r], min(t for _, t, _ in cands))
+        prio, _, a = first(cands, start)
+        if prio == 3 and policy.w_gap > 0:  # a W filling a gap: only if the gap is long enough
+            others = [t for _, t, c in cands if c.op != WEIGHT]
+            if others and min(others) - start < policy.w_gap * cost(a):
+                start = max(start, min(others))
+                prio, _, a = first(cands, start)
+        return start, a
+
     def run(r: int, a: Action, start: float) -> float:
-        end = start + UNIT[a.op]
+        end = start + cost(a)
         finish[a] = end
         orders[r].append(a)
         if a.op == FORWARD:
             next_f[a.stage] += 1
             live[r] += 1
+            if policy.reserve:
+                reserved[r] += later[a.stage] if a.stage == entry[r] else -1
         elif a.op == BACKWARD:
             next_b[a.stage] += 1
             pending_w[r].append(Action(WEIGHT, a.stage, a.mb))
-            live[r] -= 0 if until_w else 1
+            live[r] -= 0 if policy.until_w else 1
         else:
             pending_w[r].pop(0)
-            live[r] -= 1 if until_w else 0
+            live[r] -= 1 if policy.until_w else 0
         return end
 
     while len(finish) < total:
         best = None
         for r in range(p):
-            cands = candidates(r)
-            if cands:
-                start = max(free_at[r], min(t for _, t, _ in cands))
-                if best is None or start < best[0]:
-                    best = (start, r, cands)
+            move = propose(r)
+            if move is not None and (best is None or move[0] < best[0]):
+                best = (move[0], r, move[1])
         if best is None:
-            raise RuntimeError(f"{schedule}: the list scheduler is stuck (p={p}, v={v}, m={m})")
-        start, r, cands = best
-        now = [c for c in cands if c[1] <= start]
-        prio, _, a = min(now, key=lambda c: (c[0], -c[2].stage, c[2].mb))
+            raise RuntimeError(f"the list scheduler is stuck (p={p}, v={v}, m={m}, {policy})")
+        start, r, a = best
         end = run(r, a, start)
-        if schedule == "dualpipev" and a.op == FORWARD:
+        if policy.pair and a.op == FORWARD:
             # pair this forward with a backward ready by now: the pair's transfers travel together
             pair = [c for c in candidates(r) if c[2].op == BACKWARD and c[1] <= start]
             if pair:
@@ -156,12 +224,11 @@ def zero_bubble_orders(schedule: str, p: int, v: int, m: int, backward: bool
     return {r: tuple(o) for r, o in orders.items()}
 
 
-def unit_bubble(orders: Dict[int, List[Action]], p: int, num_stages: int, v_shaped: bool,
-                split: bool) -> float:
-    """Replay static ``orders`` on the unit model (each rank runs its order in sequence, an action
-    starts when its input exists); return the idle fraction of the step, averaged over ranks."""
-    cost = UNIT if split else UNSPLIT
-    finish: Dict[Action, float] = {}
+def replay(orders: Dict[int, Sequence[Action]], p: int, num_stages: int, v_shaped: bool,
+           cost: Cost, transfer: float = 0.0) -> Dict[Action, Tuple[float, float]]:
+    """Run static ``orders`` (each rank its order in sequence, an action as soon as its input
+    exists): every action's (start, end). Raises ``RuntimeError`` if the orders cannot complete."""
+    times: Dict[Action, Tuple[float, float]] = {}
     pc = {r: 0 for r in orders}
     free_at = {r: 0.0 for r in orders}
     progress = True
@@ -171,14 +238,37 @@ def unit_bubble(orders: Dict[int, List[Action]], p: int, num_stages: int, v_shap
             while pc[r] < len(order):
                 a = order[pc[r]]
                 dep = _dependency(a, num_stages)
-                if dep is not None and dep not in finish:
+                if dep is not None and dep not in times:
                     break
-                start = max(free_at[r], finish[dep] if dep is not None else 0.0)
-                finish[a] = free_at[r] = start + cost[a.op]
+                arrive = 0.0
+                if dep is not None:
+                    arrive = times[dep][1]
+                    if stage_rank(dep.stage, p, v_shaped) != r:
+                        arrive += transfer
+                start = max(free_at[r], arrive)
+                free_at[r] = start + cost(a)
+                times[a] = (start, free_at[r])
                 pc[r] += 1
                 progress = True
     if any(pc[r] < len(o) for r, o in orders.items()):
         raise RuntimeError("the orders cannot complete (a dependency never runs)")
-    span = max(free_at.values())
-    work = sum(cost[a.op] for o in orders.values() for a in o)
-    return 1 - work / (len(orders) * span)
+    return times
+
+
+def bubble_of(orders: Dict[int, Sequence[Action]], times: Dict[Action, Tuple[float, float]]
+              ) -> float:
+    """The idle fraction of the step, averaged over ranks (as ``timeline.bubble`` measures it)."""
+    span = max((end for _, end in times.values()), default=0.0)
+    if span <= 0:
+        return 0.0
+    busy = sum(end - start for start, end in times.values())
+    return 1 - busy / (len(orders) * span)
+
+
+def unit_bubble(orders: Dict[int, List[Action]], p: int, num_stages: int, v_shaped: bool,
+                split: bool) -> float:
+    """Replay static ``orders`` on the unit model; return the idle fraction of the step, averaged
+    over ranks."""
+    table = UNIT if split else UNSPLIT
+    times = replay(orders, p, num_stages, v_shaped, lambda a: table[a.op])
+    return bubble_of(orders, times)
