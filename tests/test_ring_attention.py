@@ -58,17 +58,21 @@ def _check(rank, world, method, dtype, name, hq, hkv, s_local, layout, options, 
     return True
 
 
-def _check_all(rank, world, method, dtype, seed):
+BF16_CASES = ("causal", "softcap+window")  # bf16 reuses the fp32 cases' code paths: two suffice
+
+
+def _check_all(rank, world, method, seed):
     for i, case in enumerate(_cases(method, world)):
-        _check(rank, world, method, dtype, *case, seed + i)
+        _check(rank, world, method, torch.float32, *case, seed + i)
+        if case[0] in BF16_CASES:
+            _check(rank, world, method, torch.bfloat16, *case, seed + i)
     return True
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_matches_single_device(ranks, world, method):
-    for dtype in (torch.float32, torch.bfloat16):
-        assert all(ranks.run(world, _check_all, method, dtype, 10 * world, timeout=TIMEOUT))
+    assert all(ranks.run(world, _check_all, method, 10 * world, timeout=TIMEOUT))
 
 
 def _padded(rank, world, method):

@@ -8,11 +8,12 @@ from .all_gather_matmul import all_gather_matmul, all_gather_matmul_ref
 from .all_reduce_add_rmsnorm import all_reduce_add_rmsnorm, all_reduce_add_rmsnorm_ref
 from .matmul_all_reduce import matmul_all_reduce, matmul_all_reduce_ref
 from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_ref
+from .ring_attention import ring_attention, ring_attention_ref
 from ..comm import InputError
 
 __all__ = [
     "METHODS", "InputError", "MethodUnavailable", "all_gather_matmul", "all_gather_matmul_ref",
     "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_ref",
     "matmul_all_reduce", "matmul_all_reduce_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
-    "observe_methods",
+    "observe_methods", "ring_attention", "ring_attention_ref",
 ]
