@@ -9,6 +9,7 @@
      mesh (dim names, and the global ranks of each named group), plan and options, and any rank's
      problem is raised on every rank with the same message -- before any other collective;
   3. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
+     ``apply_cp``: context parallelism on the ``cp`` dim (context.py);
   4. ``apply_fsdp`` (``dp="fsdp"``) or ``apply_ddp`` (``dp="ddp"``): data parallelism on the ``dp``
      dim: ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
 With pp > 1, ``apply_pipeline`` takes the place of 3 and 4: this rank's pipeline stage
@@ -34,7 +35,8 @@ from .checks import ParallelizeError
 from .sequence import _check_divisible
 from .shard import ShardSpec
 from .steps import (
-    MeshInfo, agree_across_ranks, apply_ddp, apply_fsdp, apply_pipeline, apply_tp, check_locally,
+    MeshInfo, agree_across_ranks, apply_cp, apply_ddp, apply_fsdp, apply_pipeline, apply_tp,
+    check_locally,
 )
 
 __all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]
@@ -45,7 +47,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
                 verbose: bool = False, dp: str = "ddp", **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
-    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp" (sizes may be 1); all communication
+    ``mesh``: a DeviceMesh with any of the dims "dp", "cp", "tp", "pp" (sizes may be 1); all communication
     stays within the mesh's dim groups.
     ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
@@ -71,16 +73,17 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)
-    stage, runner = None, model
+    stage, runner, cp = None, model, None
     if info.size["pp"] > 1:
         stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
     else:
         apply_tp(model, resolved, tp)
+        cp = apply_cp(model, info)
         runner = apply_fsdp(model, resolved, info, tp) if dp == "fsdp" else apply_ddp(model, info)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
     parallel = ParallelModel(model, info, tp, stage, data_parallel=dp, runner=runner,
-                             plan_styles=resolved.styles, verbose=verbose)
+                             plan_styles=resolved.styles, verbose=verbose, context=cp)
     if verbose and dist.get_rank() == 0:
         print(parallel.report(), flush=True)
     return parallel
@@ -101,9 +104,11 @@ class ParallelModel(nn.Module):
 
     def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None,
                  data_parallel: str = "ddp", runner: Optional[nn.Module] = None,
-                 plan_styles: Optional[Dict[str, str]] = None, verbose: bool = False):
+                 plan_styles: Optional[Dict[str, str]] = None, verbose: bool = False,
+                 context=None):
         """``stage``: this rank's pipeline stage (pp > 1), else None; ``runner``: what a call runs
-        without one: ``module``, or the DistributedDataParallel wrapping it (default ``module``)."""
+        without one: ``module``, or the DistributedDataParallel wrapping it (default ``module``);
+        ``context``: the cp dim's ``ContextParallel`` (context.py), None without one."""
         super().__init__()
         self.module = module
         # not registered as submodules: parameters and state_dict come from ``module`` alone
@@ -118,6 +123,8 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_choices", {})
         object.__setattr__(self, "_plan_styles", {} if plan_styles is None else plan_styles)
         object.__setattr__(self, "_verbose", bool(verbose))
+        object.__setattr__(self, "context", context if context is not None and context.size > 1
+                           else None)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -146,6 +153,8 @@ class ParallelModel(nn.Module):
         with comm.failures_named("parallelize forward", _world_group()):
             if self._stage is not None:
                 return self._stage.run(args, kwargs)
+            if self.context is not None:
+                return self.context.run(self._runner, args, kwargs)
             return self._runner(*args, **kwargs)
 
     def report(self) -> "report_mod.ParallelizeReport":

@@ -119,7 +119,7 @@ class ParallelizeError(comm.InputError):
     """Raised by ``parallelize`` with the same message on every rank."""
 
 
-MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIMS = ("dp", "cp", "pp", "tp")
 # what every rank of the mesh must hold alike, and how the error names it
 ALIKE = {
     "model": "the model (parameter and buffer names, shapes and dtypes, module types)",
