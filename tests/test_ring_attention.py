@@ -78,6 +78,7 @@ def test_matches_single_device(ranks, world, method):
 def _padded(rank, world, method):
     """An odd global length (23 at world 3), padded at the end to a multiple of 2 W: under a
     causal mask the real rows do not see the padding, so they are exact."""
+    import torch.distributed as dist
     import torch.nn.functional as F
 
     from pyfused.ops.ring_attention import ring_attention, ring_attention_ref
@@ -89,8 +90,6 @@ def _padded(rank, world, method):
     pad = padded_length(s, world) - s
     local = [shard_sequence(F.pad(t, (0, 0, 0, pad)), 2, rank, world) for t in (q, k, v)]
     out = ring_attention(*local, method=method)
-    import torch.distributed as dist
-
     shards = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(shards, out.contiguous())
     assert_close(unshard_sequence(shards, 2)[:, :, :s], ref, torch.float32, f"padded {method}")

@@ -10,7 +10,6 @@ backward, where the K/V blocks and the dK/dV accumulators are both in flight.
 from __future__ import annotations
 
 import datetime
-from functools import partial
 from pathlib import Path
 
 import pytest
