@@ -144,3 +144,29 @@ def test_bad_input_same_error_on_every_rank(ranks, case):
     expected = {**BAD, **EVERY_RANK}[case][1]
     assert errors[0] is not None and len(set(errors)) == 1, errors
     assert errors[0].startswith("pyfused.ring_attention: ") and expected in errors[0], errors[0]
+
+
+def _suite_rows(rank, world, out):
+    import os
+
+    import torch.distributed as dist
+
+    from pyfused.bench.harness import BenchContext
+    from pyfused.benchmarks import bench_context_parallel as suite
+
+    os.environ[suite.LENGTHS_ENV] = "64"
+    ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                       warmup=0, iters=1, options={"out": out})
+    return [(r["method"], r["status"][:11], r["peak_MB"] > 0 if r["status"] == "ok" else None)
+            for r in suite.run(ctx)]
+
+
+def test_bench_suite_runs(ranks, tmp_path):
+    """The context_parallel suite at one tiny length: every method ok with a peak, torch's
+    context_parallel ok or unavailable (with its reason), the same rows on both ranks."""
+    rows = ranks.run(2, _suite_rows, str(tmp_path), timeout=TIMEOUT)
+    assert rows[0] == rows[1]
+    methods = {m: (status, peak) for m, status, peak in rows[0]}
+    for m in ("single device", "ring", "allgather", "ulysses"):
+        assert methods[m] == ("ok", True), methods
+    assert methods["torch context_parallel"][0] in ("ok", "unavailable"), methods
