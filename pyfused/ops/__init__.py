@@ -11,6 +11,7 @@ from .matmul_all_reduce import matmul_all_reduce, matmul_all_reduce_ref
 from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_ref
 from .moe_combine import moe_combine, moe_combine_ref
 from .moe_dispatch import moe_dispatch, moe_dispatch_ref
+from .ring_attention import ring_attention, ring_attention_ref
 from ..comm import InputError
 
 __all__ = [
@@ -18,5 +19,5 @@ __all__ = [
     "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_ref",
     "matmul_all_reduce", "matmul_all_reduce_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
     "moe_combine", "moe_combine_ref", "moe_dispatch", "moe_dispatch_ref",
-    "observe_methods",
+    "observe_methods", "ring_attention", "ring_attention_ref",
 ]

@@ -11,10 +11,11 @@
   3. ``apply_ep``: the experts of mixture-of-experts layers spread over the ``ep`` dim (moe.py);
   4. ``apply_tp``: tensor/sequence parallelism in place on the ``tp`` dim (tensor_parallel.py);
   5. ``average_over_ep``: the ep ranks, which feed their own batches, average their gradients;
-  6. ``apply_fsdp`` (``dp="fsdp"``, or ``dp="hsdp"``) or ``apply_ddp`` (``dp="ddp"``): data
-     parallelism on the ``dp`` dim (HSDP: the ``dp_replicate`` x ``dp_shard`` dims):
+  6. ``apply_cp``: context parallelism on the ``cp`` dim (context.py);
+  7. ``apply_fsdp`` (``dp="fsdp"``, or ``dp="hsdp"``) or ``apply_ddp`` (``dp="ddp"``): data
+     parallelism on the ``dp`` dim (HSDP: the ``dp_replicate`` x ``dp_shard`` dims; DDP: dp x cp):
      ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
-With pp > 1, ``apply_pipeline`` takes the place of 3 to 6: this rank's pipeline stage
+With pp > 1, ``apply_pipeline`` takes the place of 3 to 7: this rank's pipeline stage
 (pipeline.py), whose modules get tensor parallelism, then data parallelism.
 
 The returned ``ParallelModel`` is called like the original model and returns what it returns;
@@ -37,8 +38,8 @@ from .checks import ParallelizeError
 from .sequence import _check_divisible
 from .shard import ShardSpec
 from .steps import (
-    MeshInfo, agree_across_ranks, apply_ddp, apply_ep, apply_fsdp, apply_pipeline, apply_tp,
-    average_over_ep, check_locally,
+    MeshInfo, agree_across_ranks, apply_cp, apply_ddp, apply_ep, apply_fsdp, apply_pipeline,
+    apply_tp, average_over_ep, check_locally,
 )
 
 __all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]
@@ -49,10 +50,11 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
                 verbose: bool = False, dp: str = "ddp", **pipeline_options) -> "ParallelModel":
     """Shard ``model`` (a full model, identical on every rank) over ``mesh``; see the module docstring.
 
-    ``mesh``: a DeviceMesh with any of the dims "dp", "tp", "pp", "ep" (sizes may be 1); all
+    ``mesh``: a DeviceMesh with any of the dims "dp", "cp", "tp", "pp", "ep" (sizes may be 1); all
     communication stays within the mesh's dim groups. With ``dp="hsdp"`` the dims "dp_replicate",
     "dp_shard" (adjacent, in that order) take the place of "dp". The ranks along "ep" feed their own
-    batches and share the experts of mixture-of-experts layers out (pyfused/parallelize/moe.py).
+    batches and share the experts of mixture-of-experts layers out (pyfused/parallelize/moe.py); the
+    ranks along "cp" each hold a share of every sequence (pyfused/parallelize/context.py).
     ``plan``: "auto" (the model types in ``plans.FAMILIES``) or ``{module pattern: style}`` (plans.py).
     ``sequence_parallel``: shard the norms' activations along the sequence inside the blocks (TP > 1).
     ``overlap``: the pyfused layers' ``overlap=`` method ("auto", "decomposed", "unfused", "fused").
@@ -78,18 +80,19 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
 
     tp = tp_mod.TensorParallel(info.group["tp"], info.size["tp"], info.coord["tp"],
                                sequence_parallel, overlap)
-    stage, runner = None, model
+    stage, runner, cp = None, model, None
     if info.size["pp"] > 1:
         stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
     else:
         apply_ep(model, resolved, info, tp)
         apply_tp(model, resolved, tp)
         average_over_ep(model, info)
+        cp = apply_cp(model, info)
         runner = apply_ddp(model, info) if dp == "ddp" else apply_fsdp(model, resolved, info, tp)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
                 info.describe(), tp.sp)
     parallel = ParallelModel(model, info, tp, stage, data_parallel=dp, runner=runner,
-                             plan_styles=resolved.styles, verbose=verbose)
+                             plan_styles=resolved.styles, verbose=verbose, context=cp)
     if verbose and dist.get_rank() == 0:
         print(parallel.report(), flush=True)
     return parallel
@@ -110,9 +113,11 @@ class ParallelModel(nn.Module):
 
     def __init__(self, module: nn.Module, info: MeshInfo, tp: "tp_mod.TensorParallel", stage=None,
                  data_parallel: str = "ddp", runner: Optional[nn.Module] = None,
-                 plan_styles: Optional[Dict[str, str]] = None, verbose: bool = False):
+                 plan_styles: Optional[Dict[str, str]] = None, verbose: bool = False,
+                 context=None):
         """``stage``: this rank's pipeline stage (pp > 1), else None; ``runner``: what a call runs
-        without one: ``module``, or the DistributedDataParallel wrapping it (default ``module``)."""
+        without one: ``module``, or the DistributedDataParallel wrapping it (default ``module``);
+        ``context``: the cp dim's ``ContextParallel`` (context.py), None without one."""
         super().__init__()
         self.module = module
         # not registered as submodules: parameters and state_dict come from ``module`` alone
@@ -129,6 +134,8 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_choices", {})
         object.__setattr__(self, "_plan_styles", {} if plan_styles is None else plan_styles)
         object.__setattr__(self, "_verbose", bool(verbose))
+        object.__setattr__(self, "context", context if context is not None and context.size > 1
+                           else None)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -157,6 +164,8 @@ class ParallelModel(nn.Module):
         with comm.failures_named("parallelize forward", _world_group()):
             if self._stage is not None:
                 return self._stage.run(args, kwargs)
+            if self.context is not None:
+                return self.context.run(self._runner, args, kwargs)
             return self._runner(*args, **kwargs)
 
     def report(self) -> "report_mod.ParallelizeReport":

@@ -120,7 +120,7 @@ class ParallelizeError(comm.InputError):
 
 
 # "dp_replicate" x "dp_shard" (torchtitan's names) take the place of "dp" for dp="hsdp"
-MESH_DIMS = ("dp", "pp", "tp", "ep", "dp_replicate", "dp_shard")
+MESH_DIMS = ("dp", "cp", "pp", "tp", "ep", "dp_replicate", "dp_shard")
 # what every rank of the mesh must hold alike, and how the error names it
 ALIKE = {
     "model": "the model (parameter and buffer names, shapes and dtypes, module types)",

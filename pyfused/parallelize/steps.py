@@ -8,11 +8,13 @@
   apply_ep            the experts modules spread over the ep dim, in place (moe.py);
   apply_tp            tensor (and sequence) parallelism on the tp dim, in place;
   average_over_ep     the ep ranks' share of data parallelism: gradient hooks (moe.py);
+  apply_cp            context parallelism on the cp dim: attention through ring_attention
+                      (context.py);
   apply_pipeline      with pp > 1, in place of apply_tp and data parallelism: this rank's pipeline
                       stage, which applies both to the modules it keeps (pipeline.py);
   apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
                       with dp="hsdp" on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP);
-  apply_ddp           pyfused's DistributedDataParallel on the dp dim.
+  apply_ddp           pyfused's DistributedDataParallel on the dp dim (dp x cp with a cp dim).
 
 Every step after the agreement runs the same collectives in the same order on every rank, since
 all ranks agreed on the model, the mesh, the plan and the options.
@@ -27,6 +29,7 @@ from .. import comm
 from ..fsdp import compose as fsdp_compose
 from ..layers import DistributedDataParallel
 from . import checks as checks_mod
+from . import context as cp_mod
 from . import moe as ep_mod
 from . import pipeline as pp_mod
 from . import plans as plans_mod
@@ -38,7 +41,7 @@ except ImportError:  # pragma: no cover - torch without DeviceMesh
     DeviceMeshType = ()
 
 MESH_DIMS = checks_mod.MESH_DIMS
-OPTIONAL_DIMS = ("ep",)  # described only where the mesh names them
+OPTIONAL_DIMS = ("cp", "ep")  # described only where the mesh names them
 DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 
@@ -111,6 +114,8 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
         problem = ep_mod.check(model, resolved, info.size["ep"], pp, dp)
     if problem is None and pp > 1:
         problem = pp_mod.check(model, resolved, pp, pipeline_options)
+    if problem is None:
+        problem = cp_mod.problem(model, info.size["cp"], pp, dp, info.size["ep"])
     if problem is None and dp not in DATA_PARALLEL:
         problem = f"dp must be 'ddp', 'fsdp' or 'hsdp', got {dp!r}"
     if problem is None:
@@ -202,8 +207,33 @@ def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInf
     return model
 
 
+def apply_cp(model: nn.Module, info: MeshInfo) -> cp_mod.ContextParallel:
+    """Context parallelism on the cp dim: the attention modules run ring_attention (context.py)."""
+    replicas = replica_group(info) if info.size["cp"] > 1 else None
+    cp = cp_mod.ContextParallel(info.group["cp"], info.size["cp"], info.coord["cp"], replicas)
+    cp.install(model)
+    return cp
+
+
 def apply_ddp(model: nn.Module, info: MeshInfo) -> nn.Module:
-    """The model under pyfused's DistributedDataParallel over the dp dim (itself at dp = 1)."""
-    if info.size["dp"] > 1:
-        return DistributedDataParallel(model, process_group=info.group["dp"])
+    """The model under pyfused's DistributedDataParallel over the dp dim, and the cp dim where the
+    parameters are replicated too (itself when both are 1)."""
+    if info.size["dp"] * info.size["cp"] > 1:
+        return DistributedDataParallel(model, process_group=replica_group(info))
     return model
+
+
+def replica_group(info: MeshInfo):
+    """The group of the ranks that hold the same parameters: dp, or dp x cp flattened (made once
+    per mesh: every rank makes it at the same step)."""
+    if not hasattr(info, "replicas"):
+        info.replicas = _replica_group(info)
+    return info.replicas
+
+
+def _replica_group(info: MeshInfo):
+    if info.size["cp"] == 1:
+        return info.group["dp"]
+    if info.size["dp"] == 1:
+        return info.group["cp"]
+    return info.mesh["dp", "cp"]._flatten().get_group()

@@ -1,0 +1,120 @@
+"""``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp equals the
+same model trained in one process on the whole batch (every gradient of the first step, the loss
+of every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple of 2 cp); refused
+model types and attention masks raise the same error on every rank.
+
+The parameters after the steps are compared with a tolerance of 1% of the learning rate per step:
+AdamW divides each gradient by its running RMS, so an fp32 rounding difference in a gradient near
+zero moves that element by a fraction of the learning rate (one element of 2304 moved 2e-5 at
+lr 1e-2), and the next steps' gradients then differ by as much (7e-7 of 3e-4). The first step's
+gradients, compared at fp32 tolerance from the same weights, are what catch a wrong scale (to
+which AdamW's update is blind).
+"""
+import pytest
+import torch
+
+from tests.test_parallelize import VOCAB, build
+from tests.utils import assert_close
+
+pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers")
+
+SEQ, PER_DP, STEPS, LR = 13, 2, 3, 1e-2
+TIMEOUT = 240
+
+
+def _batches(dp: int):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (PER_DP * dp, SEQ), generator=g),
+             torch.randint(0, VOCAB, (PER_DP * dp, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def _train(rank, world, dims, sizes):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+    dp = dict(zip(dims, sizes)).get("dp", 1)
+    coord = mesh.get_local_rank("dp") if "dp" in dims else 0
+    ref = build("llama", seed=3)
+    pm = pyfused.parallelize(build("llama", seed=3), mesh)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    for step, (ids, labels) in enumerate(_batches(dp)):
+        ref_loss = ref(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = slice(coord * PER_DP, (coord + 1) * PER_DP)
+        out = pm(input_ids=ids[mine], labels=labels[mine])
+        pm.backward(out.loss)
+        for name, g in (pm.full_grad_dict().items() if step == 0 else ()):
+            assert_close(g, ref_grads[name], name=f"grad {name} rank {rank} {dims}")
+        opt.step()
+        opt.zero_grad()
+        total = out.loss.detach().clone()  # the whole sequence's loss of this dp rank's batch
+        if dp > 1:
+            torch.distributed.all_reduce(total, group=pm.mesh_info.group["dp"])
+        assert_close(total / dp, ref_loss, name=f"loss step {step} rank {rank} {dims}")
+    full = pm.full_state_dict()
+    for name, t in ref.state_dict().items():
+        err = (full[name] - t).abs().max().item()
+        assert err <= 0.01 * LR * STEPS, f"{name} after {STEPS} steps rank {rank} {dims}: {err:.3g}"
+    return True
+
+
+@pytest.mark.parametrize("dims,sizes", [(("dp", "cp"), (2, 2)), (("cp",), (3,))],
+                         ids=["dp2xcp2", "cp3"])
+def test_training_matches_single_process(ranks, dims, sizes):
+    world = 1
+    for s in sizes:
+        world *= s
+    assert all(ranks.run(world, _train, dims, sizes, timeout=TIMEOUT))
+
+
+def _logits(rank, world):
+    """Each rank's logits rows, put back in global order, equal the unsharded model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+
+    ids, _ = _batches(1)[0]
+    ref = build("llama", seed=3)(input_ids=ids).logits
+    pm = pyfused.parallelize(build("llama", seed=3), init_device_mesh("cpu", (world,),
+                                                                      mesh_dim_names=("cp",)))
+    logits = pm.context.gather_rows(pm(input_ids=ids).logits)
+    assert_close(logits[:, :SEQ], ref, name=f"logits rank {rank}")
+    return True
+
+
+def test_logits_match_in_global_order(ranks):
+    assert all(ranks.run(2, _logits, timeout=TIMEOUT))
+
+
+def _refused(rank, world, case):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.comm import InputError, LocalWorkError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    try:
+        if case == "gpt2":
+            pyfused.parallelize(build("gpt2"), mesh)
+        else:
+            pm = pyfused.parallelize(build("llama", seed=3), mesh)
+            ids, labels = _batches(1)[0]
+            mask = torch.ones_like(ids)
+            mask[:, 0] = 0  # left padding: not one causal sequence
+            pm(input_ids=ids, attention_mask=mask, labels=labels)
+    except (InputError, LocalWorkError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case,expected", [("gpt2", "context parallelism (cp=2) supports"),
+                                           ("left padding", "padding at the end")])
+def test_refused_with_the_same_error_on_every_rank(ranks, case, expected):
+    errors = ranks.run(2, _refused, case, timeout=TIMEOUT)
+    assert errors[0] is not None and len(set(errors)) == 1 and expected in errors[0], errors
