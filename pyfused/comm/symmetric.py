@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
+from .agreement import LocalWorkError, agree_on
 from .group import BufferProvider
 from .group import group_name as _group_name
 from .group import rank as _rank
@@ -130,12 +131,14 @@ class Record:
 
 
 def gather_records(pg, mine: Record, gather: Optional[Callable] = None) -> List[Record]:
-    """Every rank's record in group-rank order (``gather(out_list, obj, group=pg)``, default
-    ``dist.all_gather_object``)."""
+    """Every rank's record in group-rank order (``agree_on``; ``gather(out_list, obj, group=pg)``
+    replaces its all-gather in tests)."""
     if _world_size(pg) == 1:
         return [mine]
+    if gather is None:
+        return agree_on(pg, "SymmetricBuffer", mine, detail="exchanging the ranks' records")
     out: List[Any] = [None] * _world_size(pg)
-    (gather or dist.all_gather_object)(out, mine, group=pg)
+    gather(out, mine, group=pg)
     return out
 
 
@@ -190,16 +193,6 @@ def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
         if r.device_index != device.index and not torch.cuda.can_device_access_peer(device.index, r.device_index):
             raise SymmetricUnavailable(f"cuda:{device.index} has no peer access to cuda:{r.device_index} "
                                        f"(rank {q}'s GPU)")
-
-
-def _agree_all_ok(pg, error: Optional[str], gather: Optional[Callable]) -> Optional[str]:
-    """Every rank's local error after a step that can fail on some ranks only -> one message."""
-    if _world_size(pg) == 1:
-        return error
-    errors: List[Any] = [None] * _world_size(pg)
-    (gather or dist.all_gather_object)(errors, error, group=pg)
-    bad = [(q, e) for q, e in enumerate(errors) if e]
-    return "; ".join(f"rank {q}: {e}" for q, e in bad) or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +268,12 @@ class SymmetricBuffer:
                 mapping = backend.open([r.handle for r in records], rank, local, state, total, device, pg)
             except Exception as e:  # agreed on below: every rank raises the same error
                 error = f"{type(e).__name__}: {e}"
-            failed = _agree_all_ok(pg, error, gather)
-            if failed:
-                msg = f"mapping the peers' buffers failed: {failed}"
+            try:
+                agree_on(pg, "SymmetricBuffer", error=error, detail="mapping the peers' buffers")
+            except LocalWorkError as e:
+                failed = e.failed if world > 1 else [(None, error)]
+                msg = "mapping the peers' buffers failed: " + "; ".join(
+                    f"rank {q}: {why}" if q is not None else why for q, why in failed)
         if msg is not None:
             if mapping is not None:
                 mapping.release()
