@@ -6,9 +6,11 @@ turns into ``PeerFailure`` naming the agreement within the group's timeout.
 """
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +114,32 @@ def test_a_dead_peer_is_named_in_bounded_time(tmp_path, mode, width):
         assert "pyfused.test agreement (after the strike)" in res["message"], res["message"]
         assert f"timeout is {FAULT_TIMEOUT_S:g} s" in res["message"], res["message"]
         assert 0 <= res["raise_s"] <= bound, f"rank {r} raised after {res['raise_s']:.1f} s"
+
+
+# ----------------------------------------------------------------------------- no second helper
+OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object",
+                      "scatter_object_list", "send_object_list", "recv_object_list"}
+AGREEMENT = Path("comm") / "agreement.py"  # the one file that may call them
+
+
+def object_collective_calls(root: Path):
+    """(file, line, name) of every call of a torch.distributed object collective in the library
+    under ``root`` (the installed suites, ``pyfused/benchmarks``, are not library)."""
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "benchmarks" or rel == AGREEMENT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                if name in OBJECT_COLLECTIVES:
+                    yield str(rel), node.lineno, name
+
+
+def test_only_comm_agreement_gathers_objects():
+    """Ranks agree through ``comm.agree_on``: no other library file calls an object collective."""
+    import pyfused
+
+    found = list(object_collective_calls(Path(pyfused.__file__).parent))
+    assert not found, f"agree through pyfused.comm.agree_on instead: {found}"
