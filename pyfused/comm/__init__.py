@@ -1,4 +1,4 @@
-"""Process groups, comm streams and cross-rank validation (see docs/ARCHITECTURE.md)."""
+"""Process groups, comm streams, cross-rank validation and agreement (see docs/ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
 from .agreement import LocalWorkError, agree_on, agree_on_local_work
 from .faults import (

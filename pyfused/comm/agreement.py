@@ -12,7 +12,7 @@ Two transports, one contract:
 * objects (``width=None``): one ``all_gather_object`` of every rank's (value, error) pair. For
   anything picklable, where the call is rare (construction, a file, the end of a suite).
 * fixed-size integers (``width=n``): ``value`` is ``n`` ints (a sequence, or an int64 tensor on
-  the device it was computed on); one ``all_gather_single`` of ``[failed, *value]`` rows on the
+  the device it was computed on); one ``all_gather_single`` of ``[*value, failed]`` rows on the
   group's control device, the error texts gathered only when some rank failed. For the hot paths
   (an op's cross-rank input check) and per-step checks: no pickling, a fixed message size, so the
   exchange itself cannot mismatch.
@@ -69,26 +69,38 @@ def agree_on(pg: Optional[dist.ProcessGroup], what: str, value=None, error: Opti
     ``what`` / ``detail`` name the agreement in the ``PeerFailure`` of a dead or frozen peer.
     ``device``: where the fixed-size rows go (default ``comm_device(pg)``, given by a caller that
     knows it already). One rank (or ``pg`` None): no collective."""
-    if width is not None and _count(value) != width:
-        raise ValueError(f"agree_on({what!r}): value has {_count(value)} ints, width is {width}")
+    if width is not None:
+        if _count(value) != width:
+            raise ValueError(f"agree_on({what!r}): value has {_count(value)} ints, width is {width}")
+        return agree_on_ints(pg, world_size(pg), what, value, width, error, detail, fail, device)
     world = world_size(pg)
-    if world == 1:
-        values = [value if width is None else _ints(value)]
-        errors = [error]
-    elif width is None:
-        pairs: List[Optional[tuple]] = [None] * world
+    pairs = [(value, error)]
+    if world > 1:
+        pairs = [None] * world
         with failures_named(what, pg, detail):
             dist.all_gather_object(pairs, (value, error), group=pg)
-        values = [p[0] for p in pairs]
-        errors = [p[1] for p in pairs]
-    else:
-        device = device or comm_device(pg)
-        values, flags = _gather_fixed(pg, what, detail, value, width, error is not None, device)
-        errors = _gather_errors(pg, what, error) if any(flags) else [None] * world
+    _raise_failed(what, [p[1] for p in pairs], fail)
+    return [p[0] for p in pairs]
+
+
+def agree_on_ints(pg, world: int, what: str, value, width: int, error: Optional[str],
+                  detail: Detail, fail: Optional[Fail], device: Optional[torch.device]) -> list:
+    """``agree_on`` with ``width``, its arguments checked (``world``: the size of ``pg``); the op
+    validation's exchange, a hot path, calls it directly."""
+    if world == 1:
+        _raise_failed(what, [error], fail)
+        return [_ints(value)]
+    rows = _gather_fixed(pg, world, what, detail, value, width, error is not None,
+                         device or comm_device(pg))
+    if rows is None:  # some rank failed: its message travels now
+        _raise_failed(what, _gather_errors(pg, what, error), fail)
+    return rows
+
+
+def _raise_failed(what: str, errors: Sequence[Optional[str]], fail: Optional[Fail]) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        raise (fail or _local_work_error(what))(failed, world)
-    return values
+        raise (fail or _local_work_error(what))(failed, len(errors))
 
 
 def agree_on_local_work(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], T]) -> T:
@@ -118,21 +130,23 @@ def _ints(value: Union[None, Sequence[int], torch.Tensor]) -> List[int]:
     return value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else list(value)
 
 
-def _gather_fixed(pg, what: str, detail: Detail, value, width: int, failed: bool,
-                  device: torch.device) -> Tuple[List[List[int]], List[int]]:
-    """(every rank's ints, every rank's failed flag): one all-gather of ``width + 1`` int64 each."""
-    world = world_size(pg)
+def _gather_fixed(pg, world: int, what: str, detail: Detail, value, width: int, failed: bool,
+                  device: torch.device) -> Optional[List[List[int]]]:
+    """Every rank's ints, or None when some rank failed: one all-gather of ``[*value, failed]``
+    rows (``width + 1`` int64 each). The hot path of op validation: no work per row but a pop."""
     if isinstance(value, torch.Tensor):  # stays on its device: no host wait before the exchange
         value = value.reshape(-1).to(torch.int64)
-        mine = torch.cat([value.new_tensor([int(failed)]), value]).to(device)
+        mine = torch.cat([value, value.new_tensor([int(failed)])]).to(device)
     else:
-        mine = torch.tensor([int(failed), *value] if value is not None else [int(failed)],
-                            dtype=torch.int64, device=device)
-    every = torch.empty(world * (width + 1), dtype=torch.int64, device=mine.device)
+        mine = torch.tensor(list(value or ()) + [int(failed)], dtype=torch.int64, device=device)
+    every = torch.empty(world * (width + 1), dtype=torch.int64, device=device)
     with failures_named(what, pg, detail):
         all_gather_single(every, mine, group=pg)
         rows = every.view(world, width + 1).tolist()
-    return [r[1:] for r in rows], [r[0] for r in rows]
+    someone_failed = 0
+    for row in rows:
+        someone_failed |= row.pop()
+    return None if someone_failed else rows
 
 
 def _gather_errors(pg, what: str, error: Optional[str]) -> List[Optional[str]]:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from .._logging import logger
 from . import plans
-from .agreement import Fail, agree_on
+from .agreement import Fail, agree_on, agree_on_ints
 from .group import comm_device, rank, world_size
 
 MAX_DIMS = 8
@@ -233,15 +233,16 @@ def exchange(pg: Optional[dist.ProcessGroup], sig: Signature, error: Optional[st
     one fixed-size ``agree_on``. ``error``: a problem this rank found alone, raised on every rank
     by ``fail`` (``agree_on``), before any signature is checked."""
     encoded = sig.encode()
-    if world_size(pg) == 1 or _mode == "off":  # this rank alone: its own error, no exchange
+    world = world_size(pg)
+    if world == 1 or _mode == "off":  # this rank alone: its own error, no exchange
         if error is not None:
             agree_on(None, sig.name, error=error, fail=fail)
         return [sig]
     dev = comm_device(pg)
     if dev.type == "cuda":
         _note_gpu_sync(pg)
-    rows = agree_on(pg, sig.name, encoded, error, width=SIG_LEN, detail="cross-rank input check",
-                    fail=fail, device=dev)
+    rows = agree_on_ints(pg, world, sig.name, encoded, SIG_LEN, error, "cross-rank input check",
+                         fail, dev)
     return [Signature.decode(r) for r in rows]
 
 
