@@ -21,8 +21,9 @@ Bounded: every wait is a torch.distributed collective, which the group's timeout
 frozen peer raises ``PeerFailure`` naming ``what`` (and ``detail``) on the surviving ranks.
 
 What is agreed on (a module's fingerprint, a pipeline step's ints, a signature) is each package's
-own business; how is this module's. ``agree_on_local_work`` is the common case of running local
-work and agreeing on whether it failed.
+own business; how is this module's. ``agree_on_ints`` is ``agree_on``'s fixed-size path, which
+the op validation's exchange calls directly; ``agree_on_local_work`` is the common case of running
+local work and agreeing on whether it failed.
 """
 from __future__ import annotations
 
