@@ -25,7 +25,7 @@ Backends (``backend=`` or ``PYFUSED_SYMM_BACKEND``; docs/TESTBED.md compares the
     cuMem allocations exchanged by ``rendezvous`` over the group's store. Several ranks on one GPU
     need ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
   * ``"ipc"``: pyfused._C's ``ipc_alloc`` / ``ipc_handle`` / ``ipc_open`` (cudaMalloc +
-    cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles exchanged with ``all_gather_object``.
+    cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles exchanged with ``comm.agree_on``.
   * ``"host-shm"``: POSIX shared memory between CPU processes of one host, names exchanged the same
     way. It maps nothing on a GPU; it exists so that the exchange, the bookkeeping and the CPU
     models of the fused kernels (the CPU kernels of ``pyfused::all_reduce_rows`` / ``symm_barrier``,
@@ -225,7 +225,7 @@ class SymmetricBuffer:
     def get(cls, group=None, nbytes: int = MIN_SIZE_CLASS, device=None, backend: Optional[str] = None,
             gather: Optional[Callable] = None) -> "SymmetricBuffer":
         """This rank's cached buffer of >= ``nbytes`` for ``group`` on ``device``; collective on a
-        cache miss. ``gather`` replaces ``dist.all_gather_object`` (tests)."""
+        cache miss. ``gather`` replaces the records' all-gather (tests)."""
         pg = resolve_group(group) if not isinstance(group, dist.ProcessGroup) else group
         if isinstance(pg, BufferProvider):  # ranks of one process: the provider owns the memory
             return pg.symmetric_buffer(size_class(nbytes), torch.device(device))
