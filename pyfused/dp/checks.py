@@ -133,14 +133,13 @@ def agree_module(pg, entries: List[Tuple[str, str, torch.Tensor]], options: Dict
     _raise_first_difference(pg, sigs, entries, descs)
 
 
-def first_difference(pg, sigs: List[Signature], descs: List[str], what: str = OP) -> int:
-    """Index of the first entry whose description differs between ranks (a collective over ``pg``,
-    named ``what``); the shortest rank's entry count when every entry they all have agrees.
-    ``sigs[r].ints[1]``: rank r's entry count."""
+def first_difference(pg, sigs: List[Signature], descs: List[str]) -> int:
+    """Index of the first entry whose description differs between ranks (a collective over ``pg``);
+    the shortest rank's entry count when every entry they all have agrees. ``sigs[r].ints[1]``:
+    rank r's entry count."""
     common = min(s.ints[1] for s in sigs)
     mine = [_digest(d) for d in descs[:common]] or [0]
-    table = comm.agree_on(pg, what, mine, width=len(mine),
-                          detail="finding the first differing entry")
+    table = comm.agree_on(pg, OP, mine, width=len(mine), detail="finding the first differing entry")
     for idx in range(common):
         if any(row[idx] != table[0][idx] for row in table):
             return idx
