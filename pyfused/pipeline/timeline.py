@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-
 from .. import comm
 from .plan import Action, Message
 
