@@ -126,15 +126,15 @@ def test_layer_argument_wrong_on_one_rank(ranks, kind, case):
 
 def _seen_calls_skip_the_exchange(rank, world):
     """Mode "first": the first call of a signature exchanges, repeats do not; a new signature on
-    every rank exchanges again. Counted by wrapping the exchange's all-gather."""
+    every rank exchanges again. Counted by wrapping the exchange's all-gather (comm.agree_on's)."""
     from pyfused import comm
-    from pyfused.comm import validate
+    from pyfused.comm import agreement
     from pyfused.ops import matmul_all_reduce
 
     comm.set_validation("first")
     calls = []
-    real = validate.all_gather_single
-    validate.all_gather_single = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    real = agreement.all_gather_single
+    agreement.all_gather_single = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         a, b = torch.randn(6, 4), torch.randn(4, 5)
         for _ in range(3):
@@ -146,7 +146,7 @@ def _seen_calls_skip_the_exchange(rank, world):
         matmul_all_reduce(a, b)
         always = len(calls) - after_repeats - 1
     finally:
-        validate.all_gather_single = real
+        agreement.all_gather_single = real
         comm.set_validation("first")
     return after_repeats, len(calls) - always - after_repeats, always
 

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from . import harness, launch
 from .harness import BenchContext
 
@@ -199,10 +200,10 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float,
             rows_file.write_text("")
     except Exception:  # noqa: BLE001 - reported as the suite's failure
         err = traceback.format_exc()
-    loaded = [None] * base.world
-    dist.all_gather_object(loaded, err, group=control)
-    if any(loaded):
-        result.errors = [(r, e) for r, e in enumerate(loaded) if e]
+    try:
+        comm.agree_on(control, f"bench loading suite {result.name}", error=err)
+    except comm.LocalWorkError as e:
+        result.errors = e.failed
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -223,17 +224,18 @@ def run_suite(module: str, base: BenchContext, control, timeout_s: float,
             rows = _run_recorded(mod, ctx, result.name, rows_file, budget_s)
         except Exception:  # noqa: BLE001 - reported as the suite's failure
             rows, err = [], traceback.format_exc()
-    everyone = [None] * base.world
-    with _bounded(control, timeout_s if mod.MULTI_RANK else None, result.name):
-        dist.all_gather_object(everyone, (len(rows), err, rows if base.rank == 0 else None),
-                               group=control)
-    result.errors = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
-    counts = {n for n, e, _ in everyone if not e} if mod.MULTI_RANK else set()
-    if not result.errors and len(counts) > 1:
+    with _bounded(control, timeout_s if mod.MULTI_RANK else None):
+        try:
+            everyone = comm.agree_on(control, f"bench agreement after suite {result.name}",
+                                     (len(rows), rows if base.rank == 0 else None), err)
+        except comm.LocalWorkError as e:
+            result.errors = e.failed
+    counts = {n for n, _ in everyone} if mod.MULTI_RANK and not result.errors else set()
+    if len(counts) > 1:
         result.errors = [(0, f"ranks returned different numbers of rows: "
-                             f"{[n for n, _, _ in everyone]}")]
+                             f"{[n for n, _ in everyone]}")]
     if not result.errors:
-        result.rows = everyone[0][2]
+        result.rows = everyone[0][1]
     if group is not None and (mod.MULTI_RANK or base.rank == 0):
         dist.destroy_process_group(group)
     result.seconds = time.perf_counter() - t0
@@ -267,20 +269,17 @@ def _run_recorded(mod, ctx: BenchContext, name: str, rows_file: Optional[Path],
 
 
 @contextlib.contextmanager
-def _bounded(control, suite_timeout_s: Optional[float], suite: str):
-    """The agreement after a suite. After a multi-rank suite the ranks arrive within about one
-    collective's timeout of each other (every rank took part in the suite's collectives), so the
-    wait is bounded by twice ``--timeout``: a rank that froze in the suite then fails the run
+def _bounded(control, suite_timeout_s: Optional[float]):
+    """The bound of the agreement after a suite. After a multi-rank suite the ranks arrive within
+    about one collective's timeout of each other (every rank took part in the suite's collectives),
+    so the wait is bounded by twice ``--timeout``: a rank that froze in the suite then fails the run
     instead of holding the others for the control group's whole-suite timeout."""
-    from .. import comm
-
     if suite_timeout_s is None or not hasattr(dist, "set_timeout"):
         yield
         return
     dist.set_timeout(datetime.timedelta(seconds=2 * suite_timeout_s), control)
     try:
-        with comm.failures_named(f"bench agreement after suite {suite}", control):
-            yield
+        yield
     finally:
         dist.set_timeout(datetime.timedelta(seconds=CONTROL_TIMEOUT_S), control)
 
@@ -318,14 +317,11 @@ def worker(args: argparse.Namespace, modules: List[str], backend: str) -> int:
 
 
 def _run_all(args, modules, backend, rank, world, device) -> int:
-    from .. import comm
-
     if args.no_validate:
         comm.set_validation("off")  # otherwise the mode PYFUSED_VALIDATE set (default "first")
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
-    agreed = [modules]
-    dist.broadcast_object_list(agreed, src=0, group=control)  # rank 0's list, even if paths differ
-    modules = agreed[0]
+    # rank 0's list, even if paths differ
+    modules = comm.agree_on(control, "bench", modules, detail="the suites to run")[0]
     warmup, iters = _default_iters(args, device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     options = {"dtype": DTYPES[args.dtype] if args.dtype else None, "shapes": args.shapes,

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..ops.registry import OPS
 from .harness import BenchContext, relative_error
 
@@ -165,7 +165,7 @@ def matmul_all_reduce_peers(out: SymmParts, sm, ctx: BenchContext, a, b, m_full:
 def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) -> None:
     """Run every part once; drop (on every rank) any part that raised or whose output differs from
     ``ref`` (the unfused method's) by more than ``tol`` relative to max|ref| on any rank. The
-    verdicts travel in one all-reduce after all parts ran."""
+    verdicts travel in one fixed-size ``agree_on`` after all parts ran."""
     labels = list(parts.parts)
     whys = []
     for label in labels:
@@ -182,11 +182,10 @@ def check(parts: SymmParts, ref: torch.Tensor, ctx: BenchContext, tol: float) ->
         except Exception as e:  # noqa: BLE001 -- any failure drops the row, with its reason
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         whys.append(why)
-    failed = torch.tensor([1.0 if why else 0.0 for why in whys],
-                          device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ctx.group)
-    for label, why, bad in zip(labels, whys, failed.tolist()):
-        if bad:
+    rows = comm.agree_on(ctx.group, "bench peers check", [int(bool(why)) for why in whys],
+                         width=len(labels), detail="which parts failed on some rank")
+    for i, (label, why) in enumerate(zip(labels, whys)):
+        if any(row[i] for row in rows):
             parts.unavailable[label] = f"unavailable: {why or 'failed on another rank'}"
             del parts.parts[label]
 

@@ -1,8 +1,8 @@
-"""Process groups, comm streams and cross-rank validation (see docs/ARCHITECTURE.md)."""
+"""Process groups, comm streams, cross-rank validation and agreement (see docs/ARCHITECTURE.md)."""
 from .collectives import all_gather_single, reduce_scatter_single
+from .agreement import LocalWorkError, agree_on, agree_on_local_work
 from .faults import (
-    LocalWorkError, PeerFailure, agree_on_local_work, failures_named, group_timeout,
-    inherit_default_timeout, names_failures,
+    PeerFailure, failures_named, group_timeout, inherit_default_timeout, names_failures,
 )
 from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
@@ -21,8 +21,8 @@ from .validate import (
 
 __all__ = [
     "ExtensionUnavailable", "new_flags", "signal_flag", "wait_flag",
-    "LocalWorkError", "PeerFailure", "agree_on_local_work", "failures_named", "group_timeout",
-    "inherit_default_timeout", "names_failures",
+    "LocalWorkError", "PeerFailure", "agree_on", "agree_on_local_work", "failures_named",
+    "group_timeout", "inherit_default_timeout", "names_failures",
     "SymmetricBuffer", "SymmetricUnavailable", "symmetric_status",
     "HostLayout", "TopologyError", "forget_layouts", "host_layout", "host_mesh", "local_host",
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature", "TensorMeta", "agree", "comm_device",

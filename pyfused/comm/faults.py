@@ -14,10 +14,11 @@ original error is its ``__cause__``. On the success path it costs one small obje
 ``with`` (about 1 us on a loaded 2-core box, against tens of microseconds for the smallest gloo
 collective; docs/FAULTS.md); the message is built only when something failed.
 
-``agree_on_local_work`` is the other half: work that may fail on one rank alone (a file, a plot)
-followed by an agreement, so that the others raise at once instead of at their next collective's
-timeout. ``inherit_default_timeout`` gives a DeviceMesh's groups the default group's timeout, and
-``transfer_timeout`` is what a p2p ``Work.wait`` must be given for that timeout to bound it.
+The other half, ranks agreeing on what happened on each of them (an error met on one rank alone,
+so that the others raise at once instead of at their next collective's timeout), is
+``pyfused.comm.agreement``. ``inherit_default_timeout`` gives a DeviceMesh's groups the default
+group's timeout, and ``transfer_timeout`` is what a p2p ``Work.wait`` must be given for that
+timeout to bound it.
 
 ``fault_point(name)`` marks a moment of an operation (``"pipeline.recv:before"``...) at which a test
 can make this process kill or stop itself (``strike_at``), so that a fault test hits the same
@@ -31,7 +32,7 @@ import inspect
 import os
 import signal
 import time
-from typing import Callable, Optional, Tuple, TypeVar, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,6 @@ import torch.distributed as dist
 from .._logging import logger
 from .group import group_from_name
 
-T = TypeVar("T")
 Detail = Union[str, Tuple[object, ...]]  # what the operation was doing: a string, or its parts
 
 # Substrings of the errors torch.distributed raises when a peer is gone or silent, for the plain
@@ -182,34 +182,6 @@ def names_failures(op: str):
         named.__signature__ = inspect.signature(fn, eval_str=True)
         return named
     return wrap
-
-
-class LocalWorkError(RuntimeError):
-    """Local work (a file, a plot, an import) failed on some rank; raised on every rank at once."""
-
-
-def agree_on_local_work(pg: Optional[dist.ProcessGroup], what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn()`` -- work of this rank alone that may fail here and not elsewhere -- then tell
-    every rank of ``pg`` at once (one ``all_gather_object``): if any rank's ``fn`` raised, every
-    rank raises the same ``LocalWorkError`` naming the first such rank. Without this agreement the
-    ranks that succeeded would go on to their next collective and wait there for the group's
-    timeout. Returns ``fn()``'s value."""
-    value, error = None, None
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        error = f"{type(e).__name__}: {e}"
-    errors = [error]
-    if pg is not None and dist.get_world_size(pg) > 1:
-        errors = [None] * dist.get_world_size(pg)
-        with failures_named(f"agreement after {what}", pg):
-            dist.all_gather_object(errors, error, group=pg)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        where = f" on rank {failed[0][0]}" if len(errors) > 1 else ""
-        others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise LocalWorkError(f"{what} failed{where}{others}: {failed[0][1]}")
-    return value
 
 
 def inherit_default_timeout(groups) -> None:

@@ -25,7 +25,7 @@ Backends (``backend=`` or ``PYFUSED_SYMM_BACKEND``; docs/TESTBED.md compares the
     cuMem allocations exchanged by ``rendezvous`` over the group's store. Several ranks on one GPU
     need ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
   * ``"ipc"``: pyfused._C's ``ipc_alloc`` / ``ipc_handle`` / ``ipc_open`` (cudaMalloc +
-    cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles exchanged with ``all_gather_object``.
+    cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles exchanged with ``comm.agree_on``.
   * ``"host-shm"``: POSIX shared memory between CPU processes of one host, names exchanged the same
     way. It maps nothing on a GPU; it exists so that the exchange, the bookkeeping and the CPU
     models of the fused kernels (the CPU kernels of ``pyfused::all_reduce_rows`` / ``symm_barrier``,
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._logging import logger
+from .agreement import LocalWorkError, agree_on
 from .group import BufferProvider
 from .group import group_name as _group_name
 from .group import rank as _rank
@@ -130,12 +131,14 @@ class Record:
 
 
 def gather_records(pg, mine: Record, gather: Optional[Callable] = None) -> List[Record]:
-    """Every rank's record in group-rank order (``gather(out_list, obj, group=pg)``, default
-    ``dist.all_gather_object``)."""
+    """Every rank's record in group-rank order (``agree_on``; ``gather(out_list, obj, group=pg)``
+    replaces its all-gather in tests)."""
     if _world_size(pg) == 1:
         return [mine]
+    if gather is None:
+        return agree_on(pg, "SymmetricBuffer", mine, detail="exchanging the ranks' records")
     out: List[Any] = [None] * _world_size(pg)
-    (gather or dist.all_gather_object)(out, mine, group=pg)
+    gather(out, mine, group=pg)
     return out
 
 
@@ -192,16 +195,6 @@ def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
                                        f"(rank {q}'s GPU)")
 
 
-def _agree_all_ok(pg, error: Optional[str], gather: Optional[Callable]) -> Optional[str]:
-    """Every rank's local error after a step that can fail on some ranks only -> one message."""
-    if _world_size(pg) == 1:
-        return error
-    errors: List[Any] = [None] * _world_size(pg)
-    (gather or dist.all_gather_object)(errors, error, group=pg)
-    bad = [(q, e) for q, e in enumerate(errors) if e]
-    return "; ".join(f"rank {q}: {e}" for q, e in bad) or None
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -232,7 +225,7 @@ class SymmetricBuffer:
     def get(cls, group=None, nbytes: int = MIN_SIZE_CLASS, device=None, backend: Optional[str] = None,
             gather: Optional[Callable] = None) -> "SymmetricBuffer":
         """This rank's cached buffer of >= ``nbytes`` for ``group`` on ``device``; collective on a
-        cache miss. ``gather`` replaces ``dist.all_gather_object`` (tests)."""
+        cache miss. ``gather`` replaces the records' all-gather (tests)."""
         pg = resolve_group(group) if not isinstance(group, dist.ProcessGroup) else group
         if isinstance(pg, BufferProvider):  # ranks of one process: the provider owns the memory
             return pg.symmetric_buffer(size_class(nbytes), torch.device(device))
@@ -275,9 +268,12 @@ class SymmetricBuffer:
                 mapping = backend.open([r.handle for r in records], rank, local, state, total, device, pg)
             except Exception as e:  # agreed on below: every rank raises the same error
                 error = f"{type(e).__name__}: {e}"
-            failed = _agree_all_ok(pg, error, gather)
-            if failed:
-                msg = f"mapping the peers' buffers failed: {failed}"
+            try:
+                agree_on(pg, "SymmetricBuffer", error=error, detail="mapping the peers' buffers")
+            except LocalWorkError as e:
+                failed = e.failed if world > 1 else [(None, error)]
+                msg = "mapping the peers' buffers failed: " + "; ".join(
+                    f"rank {q}: {why}" if q is not None else why for q, why in failed)
         if msg is not None:
             if mapping is not None:
                 mapping.release()

@@ -12,7 +12,7 @@ with ``local_host()``, without a collective:
     one machine therefore count as two hosts (the safe side: nothing is shared between them).
 
 ``host_layout(group)`` gathers every rank's name, node rank and ``LOCAL_WORLD_SIZE`` once per
-group (one ``all_gather_object`` at first use, cached by group name), checks that they are
+group (one ``agree_on`` at first use, cached by group name), checks that they are
 consistent, and returns the same ``HostLayout`` on every rank; so a group built by the user (any
 subset of ranks, any order) gets its layout like the default group does. ``host_mesh()`` turns the
 default group's layout into a 2-D ``DeviceMesh`` with dims ("host", "local"): ``mesh["local"]``
@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .faults import failures_named, inherit_default_timeout
+from .agreement import agree_on
+from .faults import inherit_default_timeout
 from .group import BufferProvider, group_name, resolve_group, world_size
 
 HOST_ENV = "PYFUSED_HOST"
@@ -128,9 +129,7 @@ def host_layout(group=None) -> HostLayout:
     key = (group_name(pg), mine.host)
     layout = _layouts.get(key)
     if layout is None:
-        records: List[Optional[HostRecord]] = [None] * world_size(pg)
-        with failures_named("host_layout", pg, "gathering the ranks' host names"):
-            dist.all_gather_object(records, mine, group=pg)
+        records = agree_on(pg, "host_layout", mine, detail="gathering the ranks' host names")
         whole = dist.is_initialized() and world_size(pg) == dist.get_world_size()
         why = check_records(records, whole)
         if why:

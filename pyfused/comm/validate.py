@@ -50,8 +50,7 @@ import torch.distributed as dist
 
 from .._logging import logger
 from . import plans
-from .collectives import all_gather_single
-from .faults import failures_named
+from .agreement import Fail, agree_on, agree_on_ints
 from .group import comm_device, rank, world_size
 
 MAX_DIMS = 8
@@ -228,19 +227,22 @@ def _note_gpu_sync(pg: dist.ProcessGroup) -> None:
                 pg.group_name, dist.get_backend(pg))
 
 
-def exchange(pg: Optional[dist.ProcessGroup], sig: Signature) -> List[Signature]:
-    """Every rank's signature, in group-rank order (just ``[sig]`` for one rank or validation off)."""
+def exchange(pg: Optional[dist.ProcessGroup], sig: Signature, error: Optional[str] = None,
+             fail: Optional[Fail] = None) -> List[Signature]:
+    """Every rank's signature, in group-rank order (just ``[sig]`` for one rank or validation off):
+    one fixed-size ``agree_on``. ``error``: a problem this rank found alone, raised on every rank
+    by ``fail`` (``agree_on``), before any signature is checked."""
     encoded = sig.encode()
-    if world_size(pg) == 1 or _mode == "off":
+    world = world_size(pg)
+    if world == 1 or _mode == "off":  # this rank alone: its own error, no exchange
+        if error is not None:
+            agree_on(None, sig.name, error=error, fail=fail)
         return [sig]
     dev = comm_device(pg)
     if dev.type == "cuda":
         _note_gpu_sync(pg)
-    mine = torch.tensor(encoded, dtype=torch.int64, device=dev)
-    every = torch.empty(world_size(pg) * SIG_LEN, dtype=torch.int64, device=dev)
-    with failures_named(sig.name, pg, "cross-rank input check"):
-        all_gather_single(every, mine, group=pg)
-        rows = every.view(world_size(pg), SIG_LEN).tolist()
+    rows = agree_on_ints(pg, world, sig.name, encoded, SIG_LEN, error, "cross-rank input check",
+                         fail, dev)
     return [Signature.decode(r) for r in rows]
 
 
@@ -259,12 +261,11 @@ def differing_ops(pg: Optional[dist.ProcessGroup], sigs: Sequence[Signature],
     """A message naming the first rank whose op differs from rank 0's (``what``: "the op called"),
     or None. A rank knows the names of the ops it has called, not the others' (a signature carries
     a code), so when the ops differ -- the same verdict on every rank, from the same list -- every
-    rank sends its own op's name (one ``all_gather_object``, on this error path only)."""
+    rank sends its own op's name (one ``agree_on``, on this error path only)."""
     if all(s.op == sigs[0].op for s in sigs):
         return None
-    names: List[Optional[str]] = [None] * len(sigs)
-    with failures_named("cross-rank input check", pg, "exchanging the names of differing ops"):
-        dist.all_gather_object(names, op_name(sigs[rank(pg)].op), group=pg)
+    names = agree_on(pg, "cross-rank input check", op_name(sigs[rank(pg)].op),
+                     detail="exchanging the names of differing ops")
     for s, name in zip(sigs, names):
         _op_names.setdefault(s.op, name)
     return differs(sigs, what, lambda s: s.op, lambda s: s.name)

@@ -138,16 +138,11 @@ def first_difference(pg, sigs: List[Signature], descs: List[str]) -> int:
     the shortest rank's entry count when every entry they all have agrees. ``sigs[r].ints[1]``:
     rank r's entry count."""
     common = min(s.ints[1] for s in sigs)
-    world = len(sigs)
-    dev = comm.comm_device(pg)
-    mine = torch.tensor([_digest(d) for d in descs[:common]] or [0], dtype=torch.int64, device=dev)
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    comm.all_gather_single(every, mine, group=pg)
-    table = every.view(world, -1).cpu()
-    if common:
-        diff = (table != table[0]).any(dim=0).nonzero()
-        if diff.numel():
-            return int(diff[0, 0])
+    mine = [_digest(d) for d in descs[:common]] or [0]
+    table = comm.agree_on(pg, OP, mine, width=len(mine), detail="finding the first differing entry")
+    for idx in range(common):
+        if any(row[idx] != table[0][idx] for row in table):
+            return idx
     return common
 
 

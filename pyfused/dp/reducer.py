@@ -430,16 +430,14 @@ class Reducer:
             k += 1
 
     def _rebuild(self) -> None:
-        """Buckets from rank 0's observed gradient order (a broadcast every rank makes, once)."""
+        """Buckets from rank 0's observed gradient order (an agreement every rank makes, once)."""
         caps, self.rebuild_caps = self.rebuild_caps, None
         order, self.observed = self.observed, []
         n = len(self.params)
         if sorted(order) != list(range(n)):
             order = [-1] * n  # not one entry per parameter: keep the buckets (rank 0 decides)
-        if self.pg is not None:
-            agreed = torch.tensor(order, dtype=torch.int64, device=comm.comm_device(self.pg))
-            dist.broadcast(agreed, src=comm.global_rank(self.pg, 0), group=self.pg)
-            order = agreed.tolist()
+        order = comm.agree_on(self.pg, "DistributedDataParallel", order, width=n,
+                              detail="rank 0's gradient order")[0]
         if not order or order[0] < 0:
             return
         current = [s.param for b in self.buckets for s in b.slots]

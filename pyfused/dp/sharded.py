@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -148,21 +147,20 @@ class ShardedState:
         hold inf/NaN. Sharded, each rank's optimizer sees only its own shard, so an overflow in one
         shard would make that rank skip the step -- and its parameter all-gather -- while the others
         step and gather: a hang, and scales that drift apart. So after every synchronising backward
-        the ranks agree (one tiny all-reduce) whether any shard is non-finite, and if so every rank
-        puts a NaN into its first gradient piece: every scaler then sees the overflow and skips the
-        same step, as with unsharded DDP. Without a scaler this only adds a NaN to gradients that
-        already hold one elsewhere.
+        the ranks agree (one tiny ``agree_on``) whether any shard is non-finite, and if so every
+        rank puts a NaN into its first gradient piece: every scaler then sees the overflow and skips
+        the same step, as with unsharded DDP. Without a scaler this only adds a NaN to gradients
+        that already hold one elsewhere.
         """
         pieces = [pc for pc in self.pieces_of() if pc.tensor.grad is not None]
         if pieces:
             local = torch.stack([torch.isfinite(pc.grad).all() for pc in pieces]).all().logical_not()
         else:
             local = torch.zeros((), dtype=torch.bool, device=self.device)
-        flag = local.to(torch.int32).reshape(1)
-        if self.world > 1:
-            with comm.failures_named(GATHER, self.pg, "non-finite gradient check"):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
-        if bool(flag.item()) and not bool(local.item()) and pieces:
+        flags = comm.agree_on(self.pg, GATHER, local.reshape(1), width=1,
+                              detail="non-finite gradient check")
+        mine = flags[self.rank][0]
+        if any(f[0] for f in flags) and not mine and pieces:
             logger.debug("pyfused DDP: a gradient shard of another rank is non-finite; marking ours "
                          "so every rank's loss scaler skips this step")
             pieces[0].grad.view(-1)[0] = float("nan")

@@ -5,8 +5,8 @@ how many gradients never arrived (an error without ``find_unused_parameters``), 
 twice, and -- with ``find_unused_parameters`` -- which parameters were used. ``launch`` starts its
 all-reduce then, asynchronously behind the last bucket, so its latency hides behind the buckets
 still in flight; ``read`` (end of backward) waits for it. Only when something is wrong does a
-second, synchronous exchange name the parameters and ranks, so that every rank raises the same
-message. Without ``find_unused_parameters`` and with validation off
+second, synchronous agreement (``comm.agree_on``) name the parameters and ranks, so that every
+rank raises the same message. Without ``find_unused_parameters`` and with validation off
 (``pyfused.comm.set_validation(False)``) nothing is exchanged and errors stay local, as in torch.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from .. import comm
 
@@ -69,10 +68,9 @@ class StatusExchange:
         for i in dups:
             flags[n + i] = 1
         flags[2 * n + self.rank] = len(missing) + len(dups)
-        vec = torch.tensor(flags, dtype=torch.int64)
-        if self.pg is not None and self.world > 1:
-            vec = _all_reduce_small(self.pg, vec)
-        return used_counts, self._message(vec.tolist(), n)
+        rows = comm.agree_on(self.pg, "DistributedDataParallel status exchange", flags,
+                             width=len(flags), detail="naming the parameters and ranks")
+        return used_counts, self._message([sum(column) for column in zip(*rows)], n)
 
     def _message(self, flags: List[int], n: int) -> str:
         missing = [self.names[i] for i in range(n) if flags[i]]
@@ -92,9 +90,3 @@ class StatusExchange:
                 f"activation checkpointing with use_reentrant=True, or two backward calls through one "
                 f"forward); this is not supported")
 
-
-def _all_reduce_small(pg, vec: Tensor) -> Tensor:
-    vec = vec.to(comm.comm_device(pg))
-    with comm.failures_named("DistributedDataParallel status exchange", pg):
-        dist.all_reduce(vec, group=pg)
-    return vec.cpu()

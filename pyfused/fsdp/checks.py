@@ -66,16 +66,15 @@ def local_error(params: Sequence[torch.Tensor], mixed_dtypes_ok: bool, options_o
     return 0
 
 
-def _gather(groups, mine: torch.Tensor) -> torch.Tensor:
-    """Every mesh rank's ``mine`` (1-D int64), one row each in mesh order: an all-gather over each
-    of ``groups`` in turn (the shard group, then the replicate group, of the rows so far)."""
-    rows = mine.view(1, -1)
+def _gather(groups, mine: List[int], what: str) -> List[List[int]]:
+    """Every mesh rank's ``mine``, one row each in mesh order: one fixed-size ``comm.agree_on``
+    over each of ``groups`` in turn (the shard group, then the replicate group, of the rows so
+    far)."""
+    rows = [list(mine)]
     for pg in groups:
-        world = comm.world_size(pg)
-        if world > 1:
-            every = torch.empty(world * rows.numel(), dtype=rows.dtype, device=rows.device)
-            comm.all_gather_single(every, rows.reshape(-1), group=pg)
-            rows = every.view(-1, mine.numel())
+        flat = [x for row in rows for x in row]
+        every = comm.agree_on(pg, what, flat, width=len(flat), detail="cross-rank input check")
+        rows = [row[i:i + len(mine)] for row in every for i in range(0, len(flat), len(mine))]
     return rows
 
 
@@ -85,10 +84,7 @@ def _exchange(sm, sig: Signature) -> List[Signature]:
         return comm.exchange(sm.shard_pg, sig)
     if comm.validation_mode() == "off":
         return [sig]
-    mine = torch.tensor(sig.encode(), dtype=torch.int64, device=comm.comm_device(sm.shard_pg))
-    with comm.failures_named(sig.name, sm.shard_pg, "cross-rank input check"):
-        rows = _gather(sm.groups, mine).tolist()
-    return [Signature.decode(r) for r in rows]
+    return [Signature.decode(r) for r in _gather(sm.groups, sig.encode(), sig.name)]
 
 
 def _agree(sm, sig: Signature, check) -> List[Signature]:
@@ -148,13 +144,10 @@ def _first_difference(sm, sigs: List[Signature], descs: List[str]) -> int:
     the shortest rank's entry count when every entry they all have agrees. ``sigs[r].ints[1]``:
     rank r's entry count."""
     common = min(s.ints[1] for s in sigs)
-    mine = torch.tensor([_digest(d) for d in descs[:common]] or [0], dtype=torch.int64,
-                        device=comm.comm_device(sm.shard_pg))
-    table = _gather(sm.groups, mine).cpu()
-    if common:
-        diff = (table != table[0]).any(dim=0).nonzero()
-        if diff.numel():
-            return int(diff[0, 0])
+    table = _gather(sm.groups, [_digest(d) for d in descs[:common]] or [0], OP)
+    for idx in range(common):
+        if any(row[idx] != table[0][idx] for row in table):
+            return idx
     return common
 
 

@@ -204,9 +204,9 @@ def _init_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> None:
     needed = not optimizer.state
     zero = [d._sharded for d in _ddp_modules(pm) if getattr(d, "_sharded", None) is not None]
     if zero:
-        flag = torch.tensor([int(needed)], device=zero[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=zero[0].pg)
-        needed = bool(flag.item())
+        needed = any(row[0] for row in comm.agree_on(
+            zero[0].pg, "checkpoint.load", [int(needed)], width=1,
+            detail="whether the optimizer state must be created"))
     if not needed:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -263,8 +263,8 @@ def _optimizer_state_dict(pm, optimizer, copy_back: Optional[list]) -> Dict[str,
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": members})
     stage = pm._stage
     if stage is not None and stage.pp > 1:
-        every: List[Optional[list]] = [None] * stage.pp
-        dist.all_gather_object(every, [g["params"] for g in groups], group=stage.pg)
+        every = comm.agree_on(stage.pg, "checkpoint", [g["params"] for g in groups],
+                              detail="every stage's optimizer parameter names")
         for i, g in enumerate(groups):
             merged = []
             for lists in every:

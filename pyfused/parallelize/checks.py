@@ -99,18 +99,12 @@ def first_differing(groups, checks: Sequence[int]) -> int:
     n = len(checks)
     first = n
     for pg in groups:
-        world = comm.world_size(pg)
-        if world == 1:
-            continue
-        dev = comm.comm_device(pg)
-        mine = torch.tensor([first, *checks], dtype=torch.int64, device=dev)
-        every = torch.empty(world * (n + 1), dtype=torch.int64, device=dev)
-        comm.all_gather_single(every, mine, group=pg)
-        rows = every.view(world, n + 1).cpu()
-        first = int(rows[:, 0].min())
-        differs = (rows[:, 1:] != rows[:1, 1:]).any(0).nonzero()
-        if differs.numel():
-            first = min(first, int(differs[0]))
+        rows = comm.agree_on(pg, "parallelize", [first, *checks], width=n + 1,
+                             detail="finding the first differing tensor")
+        first = min(row[0] for row in rows)
+        differing = [i for i in range(n) if any(row[1 + i] != rows[0][1 + i] for row in rows)]
+        if differing:
+            first = min(first, differing[0])
     return first if first < n else -1
 
 

@@ -196,12 +196,11 @@ class PipelinedModel:
         example = (example_input_ids.to(self.device),) if example_input_ids is not None else None
         _, self.report = split(units, self.pp, example, balance=balance or "time",
                                split_points=split_points, group=self.pg)
-        points = [list(self.report.split_points)]
-        for dim in ("tp", "dp"):
-            if info.size[dim] > 1:
-                dist.broadcast_object_list(points, group=info.group[dim], group_src=0,
-                                           device=comm.comm_device(info.group[dim]))
-        return [0, *points[0], len(units)]
+        points = list(self.report.split_points)
+        for dim in ("tp", "dp"):  # the tp and dp peers take the points of their group's rank 0
+            points = comm.agree_on(info.group[dim], "parallelize", points,
+                                   detail=f"the split points along {dim}")[0]
+        return [0, *points, len(units)]
 
     def _drop_other_stages(self, styles, blocks_here: List[int]) -> None:
         """Placeholders for the modules other stages own (the owned blocks keep their indices, so
@@ -317,8 +316,8 @@ class PipelinedModel:
 
     # ---- state -----------------------------------------------------------------------------------
     def gather_stages(self, local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        parts: List[Optional[dict]] = [None] * self.pp
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=self.pg)
+        parts = comm.agree_on(self.pg, "parallelize", {k: v.cpu() for k, v in local.items()},
+                              detail="every stage's state")
         merged = {}
         for part in parts:  # stage order: the first stage's copy of a shared module wins
             for k, v in part.items():

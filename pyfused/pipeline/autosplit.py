@@ -154,14 +154,10 @@ def split(model, num_stages: int, example_args=None, *, balance: str = "time",
                             lambda s: s.ints[1:])
 
     agree_step(pg, "pipeline.split", ints, (), error, check)
-    if comm.world_size(pg) == 1:
-        payload = _decide(model, units, num_stages, example_args, balance, points, repeats)
-    else:
-        payload = [None]
-        if comm.rank(pg) == 0:
-            payload = [_decide(model, units, num_stages, example_args, balance, points, repeats)]
-        dist.broadcast_object_list(payload, group=pg, group_src=0, device=comm.comm_device(pg))
-        payload = payload[0]
+    decided = None
+    if comm.rank(pg) == 0:  # rank 0 profiles and decides; every rank takes its decision
+        decided = _decide(model, units, num_stages, example_args, balance, points, repeats)
+    payload = comm.agree_on(pg, "pipeline.split", decided, detail="rank 0's split")[0]
     kind, value = payload
     if kind == "error":
         raise PipelineError(f"pyfused.pipeline.split: {value}")

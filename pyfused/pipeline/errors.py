@@ -1,15 +1,15 @@
 """Errors that reach every rank of the pipeline group, so none is left waiting on a transfer.
 
-Two moments need it:
+Two moments need it, both one ``pyfused.comm.agree_on``:
   * before a step (``agree_step``): the arguments of every rank are exchanged in one fixed-size
     signature (``pyfused.comm.exchange``) and checked by a pure function of all of them, so every
-    rank raises the identical ``InputError`` before any transfer. Problems that a rank found on its
-    own while building its stage (a wrong type, say) travel as a flag in the signature; when a flag
-    is set, every rank gathers the messages (``all_gather_object``) and raises the first one.
+    rank raises the identical ``InputError`` before any transfer. A problem that a rank found on its
+    own while building its stage (a wrong type, say) travels as the agreement's error: every rank
+    raises the first one, naming its rank.
   * after a step (``raise_if_any``): a stage that failed mid-step (its module raised, or returned a
     shape other than the one agreed) keeps running the schedule with zeros in place of its results,
-    so every transfer still has its partner; at the end one ``all_reduce`` tells every rank whether
-    any rank failed, and all raise the same ``PipelineError``.
+    so every transfer still has its partner; at the end one fixed-size agreement tells every rank
+    whether any rank failed, and all raise the same ``PipelineError``.
 
 Both are collectives, which gloo bounds by the group's current timeout. The moments
 ``pipeline.agreement`` and ``pipeline.end`` (``:before`` / ``:after``) are fault points
@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from ..comm.faults import fault_point
@@ -33,54 +32,44 @@ class PipelineError(RuntimeError):
     """A stage failed during a step; raised with the same message on every rank of the group."""
 
 
-def _gather_messages(pg, message: Optional[str]) -> List[Optional[str]]:
-    out: List[Optional[str]] = [None] * comm.world_size(pg)
-    with comm.failures_named("pipeline error exchange", pg):
-        dist.all_gather_object(out, message, group=pg)
-    return out
-
-
 def agree_step(pg, name: str, ints: Sequence[int], tensors: Sequence[Optional[torch.Tensor]],
                local_error: Optional[str],
                check: Callable[[List[comm.Signature]], Optional[str]]) -> List[comm.Signature]:
     """Exchange this rank's signature; raise the same ``InputError`` everywhere on any problem.
 
-    ``ints[0]`` of every signature is the local-error flag. ``check`` sees all signatures (only
-    this rank's when validation is off) once no rank has a local error."""
+    ``ints[0]`` of every signature is 1 where that rank has a local error (the layout the steps'
+    checks index). ``check`` sees all signatures (only this rank's when validation is off) once no
+    rank has a local error."""
     sig = comm.Signature(comm.op_code(name), (int(local_error is not None), *ints),
                          tuple(comm.TensorMeta.of(t) for t in tensors))
+
+    def fail(failed, world):
+        where = f"rank {failed[0][0]}: " if world > 1 else ""
+        return comm.InputError(f"pyfused.{name}: {where}{failed[0][1]}")
+
     fault_point("pipeline.agreement:before")
-    sigs = comm.exchange(pg, sig)
+    sigs = comm.exchange(pg, sig, local_error, fail)
     fault_point("pipeline.agreement:after")
-    msg = comm.validate.differing_ops(pg, sigs, "the pipeline call")
-    if msg is None:
-        flagged = [r for r, s in enumerate(sigs) if s.ints[0]]
-        if flagged:
-            messages = _gather_messages(pg, local_error) if len(sigs) > 1 else [local_error]
-            where = f"rank {flagged[0]}: " if len(sigs) > 1 else ""
-            msg = where + str(messages[flagged[0]])
-        else:
-            msg = check(sigs)
+    msg = comm.validate.differing_ops(pg, sigs, "the pipeline call") or check(sigs)
     if msg is not None:
         raise comm.InputError(f"pyfused.{name}: {msg}")
     return sigs
 
 
-def raise_if_any(pg, local_error: Optional[str], device: torch.device) -> None:
-    """Raise ``PipelineError`` on every rank if any rank has ``local_error`` (one tiny all_reduce)."""
+def raise_if_any(pg, local_error: Optional[str]) -> None:
+    """Raise ``PipelineError`` on every rank if any rank has ``local_error`` (one fixed-size
+    ``agree_on``)."""
     if comm.world_size(pg) == 1 or not comm.validation_enabled():
         if local_error is not None:
             raise PipelineError(local_error)
         return
-    flag = torch.tensor([int(local_error is not None)], dtype=torch.int32, device=device)
     fault_point("pipeline.end:before")
-    with comm.failures_named("pipeline end-of-step agreement", pg):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+    comm.agree_on(pg, "pipeline end-of-step agreement", error=local_error, width=0,
+                  fail=_step_failed)
     fault_point("pipeline.end:after")
-    if not flag.item():
-        return
-    messages = _gather_messages(pg, local_error)
-    first = next(r for r, m in enumerate(messages) if m is not None)
-    others = [r for r, m in enumerate(messages) if m is not None and r != first]
+
+
+def _step_failed(failed, world) -> PipelineError:
+    others = [r for r, _ in failed[1:]]
     extra = f" (ranks {others} failed too)" if others else ""
-    raise PipelineError(f"rank {first}: {messages[first]}{extra}")
+    return PipelineError(f"rank {failed[0][0]}: {failed[0][1]}{extra}")

@@ -5,7 +5,7 @@ stage ``s-1`` (the shapes and dtypes of the activation, or "failed upstream"), r
 under ``no_grad`` on zeros of those shapes (skipped when ``output_args`` declares the result), and
 sends its own header on. Because the header has a fixed length the exchange itself cannot
 mismatch, and because every rank walks its stages in stage order it cannot deadlock. One
-``all_reduce`` at the end (errors.raise_if_any) then fails every rank if any stage failed, e.g. a
+agreement at the end (errors.raise_if_any) then fails every rank if any stage failed, e.g. a
 stage whose output the next stage cannot take, or a declaration that does not match.
 
 The pass runs again whenever the first stage's microbatch shapes change (every rank learns them

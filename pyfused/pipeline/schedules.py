@@ -253,7 +253,7 @@ class _PipelineSchedule:
                       split_backward=self._schedule in SPLIT_BACKWARD,
                       v_shaped=self._schedule in V_SHAPED, meter=meter)
         run.run(plans[self._rank])
-        raise_if_any(self._pg, run.error, comm.comm_device(self._pg))
+        raise_if_any(self._pg, run.error)
         if meter is not None:
             self._costs = agree_costs(self._pg, meter, [s.stage_index for s in self._stages],
                                       self._stages[0].num_stages, comm.comm_device(self._pg))
@@ -284,7 +284,7 @@ class _PipelineSchedule:
         error = meta.infer_all(self._stages, self._pg, arg_mbs[0] if arg_mbs else None,
                                arg_mbs[-1] if arg_mbs else None, n_large, self._p,
                                self._schedule in V_SHAPED)
-        raise_if_any(self._pg, error, comm.comm_device(self._pg))
+        raise_if_any(self._pg, error)
         self._meta_key = key
         if self._measure:  # new shapes: the times measured on the old ones no longer hold
             self._costs = None

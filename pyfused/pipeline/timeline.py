@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-import torch.distributed as dist
-
 from .. import comm
 from .plan import Action, Message
 
@@ -40,13 +38,8 @@ class Recorder:
 
 
 def gather(recorder: Recorder, group=None) -> List[List[Dict]]:
-    """Every rank's events, in group-rank order (all_gather_object on the pipeline group)."""
-    pg = comm.resolve_group(group)
-    if comm.world_size(pg) == 1:
-        return [recorder.events]
-    out: List[Optional[List[Dict]]] = [None] * comm.world_size(pg)
-    dist.all_gather_object(out, recorder.events, group=pg)
-    return out
+    """Every rank's events, in group-rank order (one ``agree_on`` over the pipeline group)."""
+    return comm.agree_on(comm.resolve_group(group), "pipeline timeline", recorder.events)
 
 
 def span(events_by_rank: List[List[Dict]]) -> float:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..ops.registry import CHUNKED_OPS as CHUNKED, OPS as SPECS, TUNED_OPS as TUNED
 from ..ops.tuned import Entry, key, store
@@ -176,26 +175,25 @@ def tune(op: str, a_shape: Sequence[int], b_shape: Sequence[int], dtype: torch.d
                                      if label(c) in calls}
 
     entry_key = key(op, world, a_shape, b_shape, dtype, device)
-    value = None
-    if rank == 0:
+    value, error = None, None
+    if rank == 0:  # rank 0 decides; its decision (or why it could not) reaches every rank
         try:
             entry = decide(times, margin)
-        except ValueError as e:  # travels to every rank below, so all raise together
-            value = {"error": str(e)}
+        except ValueError as e:
+            error = str(e)
         else:
             value = {"method": entry.method, "chunks": entry.chunks,
                      "times_ms": {label(c): ms for c, ms in sorted(times.items())},
                      "skipped": skipped, "margin": margin, "torch": torch.__version__,
                      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(
                          timespec="seconds")}
-    if world > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=comm.global_rank(pg, 0), group=pg,
-                                   device=device if backend == "nccl" else None)
-        value = box[0]
-    if "error" in value:
-        raise RuntimeError(f"tune({op}, a={a_shape}, b={b_shape}): rank 0 could not decide: "
-                           f"{value['error']}")
+
+    def undecided(failed, world) -> RuntimeError:
+        return RuntimeError(f"tune({op}, a={a_shape}, b={b_shape}): rank 0 could not decide: "
+                            f"{failed[0][1]}")
+
+    value = comm.agree_on(pg, f"tune({op})", value, error, detail="rank 0's decision",
+                          fail=undecided)[0]
     path = None
     if write:  # a write that fails on one rank (disk, permissions) fails every rank at once
         path = comm.agree_on_local_work(pg, "writing the tune cache",
