@@ -237,6 +237,26 @@ def speedup(t_baseline_ms: Optional[float], t_ms: Optional[float]) -> float:
     return t_baseline_ms / t_ms
 
 
+def paired_speedup(baseline: List[float], samples: List[float]) -> float:
+    """The median over rounds of ``baseline[i] / samples[i]``: sample i of both was taken in the same
+    round of ``interleaved_samples`` (> 1: faster than the baseline).
+
+    Load that lasts longer than a round (other processes on a shared machine, clock changes) slows
+    both samples of a round alike and cancels in their ratio; the median then drops the rounds a
+    burst hit only one of. That makes it the steadiest of the three estimators the suites report
+    (``speedup`` of the medians, ``best_speedup`` of the best samples)."""
+    pairs = [b / s for b, s in zip(baseline, samples) if b > 0 and s > 0]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
+def best_speedup(baseline: List[float], samples: List[float]) -> float:
+    """``min(baseline) / min(samples)``: the best sample of each, as ``timeit`` reports (the
+    quietest moment each variant met, not necessarily the same moment)."""
+    if not baseline or not samples or min(samples) <= 0:
+        return float("nan")
+    return min(baseline) / min(samples)
+
+
 def overlap_efficiency(t_gemm_ms: Optional[float], t_comm_ms: Optional[float],
                        t_method_ms: Optional[float]) -> float:
     """``(T_gemm + T_comm - T_method) / min(T_gemm, T_comm)``, the three measured in the same run.
