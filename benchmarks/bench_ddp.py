@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pyfused import comm
-from pyfused.bench.harness import best_speedup, interleaved_samples, op_row, paired_speedup
+from pyfused.bench.harness import interleaved_samples, op_row, vs_peer
 from pyfused.dp import shard_comm
 
 MULTI_RANK = True
@@ -317,14 +317,11 @@ def run(ctx) -> List[Dict]:
 
 def _vs_peers(name: str, samples: Dict[str, List[float]]) -> Dict:
     """A pyfused row's ratios to its torch peers, from the same rounds (module docstring)."""
-    out: Dict = {}
-    for prefix, peers in (("vs_peer", PEERS), ("vs_fsdp2", FSDP2_PEER)):
-        peer = peers.get(name)
-        if peer in samples:
-            if prefix == "vs_peer":
-                out["peer"] = peer
-            out[prefix] = paired_speedup(samples[peer], samples[name])
-            out[prefix + "_best"] = best_speedup(samples[peer], samples[name])
+    out = vs_peer(PEERS[name], name, samples) if name in PEERS else {}
+    if name in FSDP2_PEER:
+        fsdp2 = vs_peer(FSDP2_PEER[name], name, samples)
+        if fsdp2:
+            out.update(vs_fsdp2=fsdp2["vs_peer"], vs_fsdp2_best=fsdp2["vs_peer_best"])
     return out
 
 
