@@ -387,8 +387,8 @@ def _main() -> None:  # torchrun --nproc-per-node N -m pyfused.benchmarks.bench_
                        args.iters or iters, {"shapes": args.shapes})
     rows = run(ctx)
     if rank == 0:
-        cols = ("method", "time_ms", "speedup", "vs_peer", "vs_peer_best", "vs_fsdp2", "comm_hidden",
-                "state_MB", "peak_MB", "opt_state_MB", "opt_state_ratio")
+        cols = ("method", "time_ms", "speedup", "vs_peer", "vs_peer_best", "vs_fsdp2",
+                "comm_hidden", "state_MB", "peak_MB", "opt_state_MB", "opt_state_ratio")
         print(f"{rows[0]['shape']}  world={world}  backend={backend}")
         print("  ".join(f"{c:>18}" for c in cols))
         for r in rows:

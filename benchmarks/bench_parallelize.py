@@ -192,7 +192,7 @@ def run_family(ctx, family: str) -> List[Dict]:
             flop=flop, t_baseline=times["torch-tp"],
             note=f"{size.batch * size.seq / (ms * 1e-3):.0f} tokens/s",
             tokens_per_s=size.batch * size.seq / (ms * 1e-3),
-            speedup_vs_torch_tp=speedup(times["torch-tp"], ms), **vs_peer("torch-tp", name, samples),
-            tp=ctx.world, family=family,
+            speedup_vs_torch_tp=speedup(times["torch-tp"], ms),
+            **vs_peer("torch-tp", name, samples), tp=ctx.world, family=family,
             sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
     return rows

@@ -208,8 +208,8 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
                            transport=transports[method], ms=ms, flop=flop,
                            t_baseline=times.get("unfused"), status=status, note=note,
                            speedup_vs_torch_tp=speedup(times["torch-tp"], ms) if ms else None,
-                           **vs_peer("torch-tp", method, samples), sequence_parallel=sp, tokens=shape.tokens, hidden=shape.hidden,
-                           ffn=shape.ffn))
+                           **vs_peer("torch-tp", method, samples), sequence_parallel=sp,
+                           tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn))
     return rows
 
 
