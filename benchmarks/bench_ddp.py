@@ -12,10 +12,23 @@ Rows (``method``):
   pyfused comm=bf16      pyfused with comm_dtype=torch.bfloat16
   torch-zero1            torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer
   pyfused zero2          pyfused with shard_optimizer=True (+ wrap_optimizer)
+  torch-fsdp2 zero2      torch fully_shard(reshard_after_forward=False) on every Linear and the
+                         root: FSDP2's ZeRO-2 (gradients and optimizer state sharded, parameters
+                         kept gathered from forward to backward)
 and the two parts the overlap is measured against: ``compute alone`` (the same model, one process,
 its local batch, no communication: forward + backward + step) and, per communication pattern, the
 collectives alone (each bucket's all-reduce -- or reduce-scatter + all-gather -- launched back to
-back and waited, as the reducer issues them). Derived columns:
+back and waited, as the reducer issues them).
+
+Times: every variant and part is timed round-robin (``interleaved_samples``: round i steps each
+once before round i+1 steps any), ``ROUNDS`` rounds outside ``--quick``; ``time_ms`` is the median.
+Each pyfused row names its torch ``peer`` (pyfused: torch-ddp; comm=bf16: torch-ddp+bf16hook;
+zero2: torch-zero1 and, as ``vs_fsdp2``, torch-fsdp2 zero2) and compares with it three ways:
+  vs_peer       = the median over rounds of T_peer / T_this within each round (> 1: pyfused faster):
+                  the suite's ratio; a slow patch of a shared machine slows both steps of a round;
+  vs_peer_best  = the peer's best step / this row's best step (``timeit``'s estimator);
+  speedup       = T_torch-ddp / T_this of the medians (every row, the CLI table's column).
+Derived columns:
   comm_hidden = (T_compute + T_comm - T_step) / T_comm: the fraction of the communication hidden
                 behind computation (1: all of it; 0: none; negative: slower than serial);
   overlap_eff = the harness's (T_compute + T_comm - T_step) / min(T_compute, T_comm);
@@ -25,7 +38,7 @@ back and waited, as the reducer issues them). Derived columns:
                 before it was built) or, on CPU, where no allocator statistics exist, state_MB: the
                 live bytes of parameters, gradients, communication buckets and optimizer state after
                 a step (storages counted once; torch DDP's buckets from its reducer's sizes).
-Goals (reported, not asserted): step time <= 1.0 x torch DDP; sharded state <= 1.1 / world.
+Goals (reported, not asserted): vs_peer >= 1.0 (zero2: vs_fsdp2 too); sharded state <= 1.1 / world.
 
 Standalone: ``torchrun --nproc-per-node 2 -m pyfused.benchmarks.bench_ddp [--quick]``.
 """
@@ -43,7 +56,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pyfused import comm
-from pyfused.bench.harness import op_row, time_fn
+from pyfused.bench.harness import interleaved_samples, op_row, vs_peer
+from pyfused.dp import shard_comm
 
 MULTI_RANK = True
 MB = 1024 * 1024
@@ -125,12 +139,27 @@ def variant(name: str, ctx, base: nn.Module) -> Tuple[nn.Module, torch.optim.Opt
     if name == "pyfused zero2":
         m = DistributedDataParallel(model, process_group=g, shard_optimizer=True)
         return m, m.wrap_optimizer(make_opt(m.parameters())), "zero2"
+    if name == "torch-fsdp2 zero2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(g, ctx.device.type)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model, make_opt(model.parameters()), "fsdp2"
     raise ValueError(name)
 
 
 VARIANTS = ("torch-ddp", "pyfused", "torch-ddp+bf16hook", "pyfused comm=bf16", "torch-zero1",
-            "pyfused zero2")
+            "pyfused zero2", "torch-fsdp2 zero2")
 QUICK_VARIANTS = ("torch-ddp", "pyfused", "pyfused zero2")
+# Each pyfused row's torch peer (``vs_peer``); zero2 is also compared with FSDP2's ZeRO-2.
+PEERS = {"pyfused": "torch-ddp", "pyfused comm=bf16": "torch-ddp+bf16hook",
+         "pyfused zero2": "torch-zero1"}
+FSDP2_PEER = {"pyfused zero2": "torch-fsdp2 zero2"}
+ROUNDS = 15  # steps per variant outside --quick (at least --iters)
 
 
 def step_fn(model, opt, x, y, amp_dtype) -> Callable[[], None]:
@@ -148,7 +177,7 @@ def step_fn(model, opt, x, y, amp_dtype) -> Callable[[], None]:
 def comm_alone(pattern: str, ctx, bucket_numels: List[int], padded: List[int]) -> Callable[[], None]:
     """The variant's collectives on buffers of its bucket sizes, launched back to back, waited."""
     dev, g, w = ctx.device, ctx.group, ctx.world
-    reduce_scatter, all_gather = comm.reduce_scatter_single, comm.all_gather_single
+    all_gather = comm.all_gather_single
     full = [torch.zeros(n, device=dev) for n in padded]
     shards = [torch.zeros(n // w, device=dev) for n in padded]
     if pattern in ("allreduce", "allreduce-bf16", "zero1"):
@@ -163,18 +192,20 @@ def comm_alone(pattern: str, ctx, bucket_numels: List[int], padded: List[int]) -
                 wk.wait()
         return run
 
-    full = [torch.zeros(n, device=dev) for n in padded]
-    shards = [torch.zeros(n // w, device=dev) for n in padded]
-
-    def run_zero2():
-        works = [reduce_scatter(s, f, group=g, async_op=True) for s, f in zip(shards, full)]
-        works += [all_gather(f, s, group=g, async_op=True) for s, f in zip(shards, full)]
+    def run_zero2():  # in the form the sharded optimizer issues them (pyfused/dp/shard_comm.py)
+        works = [shard_comm.reduce_scatter(s, f, g) for s, f in zip(shards, full)]
+        works += [shard_comm.all_gather_in_place(f, f.numel() // w, g) for f in full]
         for wk in works:
             wk.wait()
     return run_zero2
 
 
 # ----------------------------------------------------------------------------- memory
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2's) local shard; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
 
 def _storage_key(t: torch.Tensor):
     return (t.untyped_storage().data_ptr(), t.device)
@@ -188,6 +219,7 @@ def state_bytes(model, opt) -> int:
         nonlocal total
         if t is None or not isinstance(t, torch.Tensor):
             return
+        t = _local(t)
         key = _storage_key(t)
         if key not in seen:
             seen.add(key)
@@ -212,9 +244,16 @@ def state_bytes(model, opt) -> int:
 
 
 def opt_state_bytes(opt) -> int:
-    from pyfused.dp import optimizer_state_bytes
-
-    return optimizer_state_bytes(getattr(opt, "optim", opt))
+    """Bytes of this rank's optimizer state (FSDP2's: its DTensors' local shards)."""
+    seen, total = set(), 0
+    for st in getattr(opt, "optim", opt).state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                v = _local(v)
+                if _storage_key(v) not in seen:
+                    seen.add(_storage_key(v))
+                    total += v.untyped_storage().nbytes()
+    return total
 
 
 # ----------------------------------------------------------------------------- suite
@@ -244,17 +283,13 @@ def run(ctx) -> List[Dict]:
         timers[name] = step_fn(model, opt, x, y, amp)
         info[name], patterns[name] = extra, pattern
         key = f"comm alone ({pattern})"
-        if key not in timers:
+        if key not in timers and pattern != "fsdp2":  # FSDP2's collectives are its own
             numels, padded = _bucket_sizes(model, ctx.world)
             timers[key] = comm_alone(pattern, ctx, numels, padded)
             info[key] = {"note": f"{len(numels)} buckets, {sum(numels) * 4 / MB:.1f} MB of fp32 "
                                  f"gradients"}
-    rounds = 1 if ctx.quick else 3
-    samples: Dict[str, List[float]] = {k: [] for k in timers}
-    for r in range(rounds):
-        for k, fn in timers.items():
-            samples[k].append(time_fn(fn, ctx, warmup=ctx.warmup if r == 0 else 1,
-                                      iters=max(1, -(-ctx.iters // rounds))))
+    rounds = ctx.iters if ctx.quick else max(ROUNDS, ctx.iters)
+    samples = interleaved_samples(timers, ctx, iters=rounds)
     t = {k: statistics.median(v) for k, v in samples.items()}
 
     unsharded = info.get("torch-ddp", {}).get("opt_state_bytes")
@@ -265,11 +300,12 @@ def run(ctx) -> List[Dict]:
             rows.append(op_row(ctx, shape=shape.label, dtype=dtype, method=k,
                                transport=ctx.transport, ms=t[k], note=info[k]["note"]))
     for name in names:
-        t_comm = t[f"comm alone ({patterns[name]})"]
+        t_comm = t.get(f"comm alone ({patterns[name]})", float("nan"))
         extra = dict(info[name])
         ob = extra.pop("opt_state_bytes")
         extra["opt_state_MB"] = ob / MB
         extra["opt_state_ratio"] = ob / unsharded if unsharded else float("nan")
+        extra.update(_vs_peers(name, samples))
         hidden = (t["compute alone"] + t_comm - t[name]) / t_comm if t_comm > 0 else float("nan")
         rows.append(op_row(ctx, shape=shape.label, dtype=dtype, method=name,
                            transport=ctx.transport, ms=t[name], t_baseline=t.get("torch-ddp"),
@@ -277,6 +313,16 @@ def run(ctx) -> List[Dict]:
                            comm_hidden=hidden, rounds=rounds, **extra))
     del live
     return rows
+
+
+def _vs_peers(name: str, samples: Dict[str, List[float]]) -> Dict:
+    """A pyfused row's ratios to its torch peers, from the same rounds (module docstring)."""
+    out = vs_peer(PEERS[name], name, samples) if name in PEERS else {}
+    if name in FSDP2_PEER:
+        fsdp2 = vs_peer(FSDP2_PEER[name], name, samples)
+        if fsdp2:
+            out.update(vs_fsdp2=fsdp2["vs_peer"], vs_fsdp2_best=fsdp2["vs_peer_best"])
+    return out
 
 
 def _build_and_measure(name, ctx, base, x, y, amp):
@@ -314,10 +360,10 @@ def _bucket_sizes(model, world) -> Tuple[List[int], List[int]]:
 
 
 def _note(name: str, world: int) -> str:
-    if "zero" in name:
-        return f"goal: opt_state_ratio <= {1.1 / world:.3f}"
+    if name == "pyfused zero2":
+        return f"goal: vs_peer, vs_fsdp2 >= 1.0; opt_state_ratio <= {1.1 / world:.3f}"
     if name.startswith("pyfused"):
-        return "goal: speedup >= 1.0 (step time <= torch DDP's)"
+        return f"goal: vs_peer >= 1.0 (step time <= {PEERS[name]}'s)"
     return ""
 
 
@@ -341,8 +387,8 @@ def _main() -> None:  # torchrun --nproc-per-node N -m pyfused.benchmarks.bench_
                        args.iters or iters, {"shapes": args.shapes})
     rows = run(ctx)
     if rank == 0:
-        cols = ("method", "time_ms", "speedup", "comm_hidden", "overlap_eff", "state_MB", "peak_MB",
-                "opt_state_MB", "opt_state_ratio")
+        cols = ("method", "time_ms", "speedup", "vs_peer", "vs_peer_best", "vs_fsdp2",
+                "comm_hidden", "state_MB", "peak_MB", "opt_state_MB", "opt_state_ratio")
         print(f"{rows[0]['shape']}  world={world}  backend={backend}")
         print("  ".join(f"{c:>18}" for c in cols))
         for r in rows:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pyfused import comm
-from pyfused.bench.harness import interleaved_samples, op_row
+from pyfused.bench.harness import interleaved_samples, op_row, vs_peer
 
 MULTI_RANK = True
 MB = 1024 * 1024
@@ -270,7 +270,7 @@ def run(ctx) -> List[Dict]:
                                transport=ctx.transport, ms=t[name], t_baseline=t[base_name],
                                t_gemm=t["compute alone"], t_comm=t[comm_name], comm_hidden=hidden,
                                median_ms=med[name], median_speedup=med[base_name] / med[name],
-                               samples=n, mesh=label,
+                               **vs_peer(base_name, name, samples), samples=n, mesh=label,
                                note="goal: speedup >= 1.0, peak_MB <= torch's"
                                if name.startswith("pyfused") else "", **memory[name]))
     del live

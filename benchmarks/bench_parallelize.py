@@ -31,13 +31,14 @@ default (one tiny all-gather per call; the ``validate`` column) -- ``--no-valida
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 
 from pyfused.bench.gemm_collective import agree_close
-from pyfused.bench.harness import metadata, op_row, speedup, time_interleaved
+from pyfused.bench.harness import interleaved_samples, metadata, op_row, speedup, vs_peer
 
 MULTI_RANK = True
 
@@ -181,7 +182,8 @@ def run_family(ctx, family: str) -> List[Dict]:
         agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {label}", ctx)
         steps[name] = training_step(model, opt, ids)
     # round-robin: load drifting on a shared machine hits every variant alike
-    times = time_interleaved(steps, ctx)
+    samples = interleaved_samples(steps, ctx)
+    times = {name: statistics.median(t) for name, t in samples.items()}
     rows = []
     flop = flop_per_rank(size, ctx.world)
     for name, ms in times.items():
@@ -190,6 +192,7 @@ def run_family(ctx, family: str) -> List[Dict]:
             flop=flop, t_baseline=times["torch-tp"],
             note=f"{size.batch * size.seq / (ms * 1e-3):.0f} tokens/s",
             tokens_per_s=size.batch * size.seq / (ms * 1e-3),
-            speedup_vs_torch_tp=speedup(times["torch-tp"], ms), tp=ctx.world, family=family,
+            speedup_vs_torch_tp=speedup(times["torch-tp"], ms),
+            **vs_peer("torch-tp", name, samples), tp=ctx.world, family=family,
             sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
     return rows

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from pyfused.bench.gemm_collective import agree_close, method_transport
-from pyfused.bench.harness import op_row, speedup, time_interleaved
+from pyfused.bench.harness import interleaved_samples, op_row, speedup, vs_peer
 
 from . import shapes
 
@@ -192,7 +193,8 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
             notes[method], chosen = auto_note(shape, ctx, sp)
             transports[method] = ("symm-mem" if "fused" in chosen and w > 1 else ctx.transport)
         steps[method] = step_of(model)
-    times = time_interleaved(steps, ctx)  # round-robin: no variant favoured by when it ran
+    samples = interleaved_samples(steps, ctx)  # round-robin: no variant favoured by when it ran
+    times = {name: statistics.median(t) for name, t in samples.items()}
 
     flop = 12.0 * shape.tokens * shape.hidden * shape.ffn / w
     rows = []
@@ -206,8 +208,8 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
                            transport=transports[method], ms=ms, flop=flop,
                            t_baseline=times.get("unfused"), status=status, note=note,
                            speedup_vs_torch_tp=speedup(times["torch-tp"], ms) if ms else None,
-                           sequence_parallel=sp, tokens=shape.tokens, hidden=shape.hidden,
-                           ffn=shape.ffn))
+                           **vs_peer("torch-tp", method, samples), sequence_parallel=sp,
+                           tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn))
     return rows
 
 

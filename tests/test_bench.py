@@ -15,7 +15,8 @@ import torch
 
 from pyfused.bench import cli
 from pyfused.bench.harness import (
-    BenchContext, bandwidths, op_row, overlap_efficiency, speedup, tensor_bytes, tflops,
+    BenchContext, bandwidths, best_speedup, op_row, overlap_efficiency, paired_speedup, speedup,
+    tensor_bytes, tflops,
     write_results,
 )
 from pyfused.benchmarks import shapes
@@ -49,6 +50,17 @@ def test_bandwidths_follow_nccl_tests():
     assert busbw == pytest.approx(4.194304 * 3 / 4)    # (n-1)/n
     assert bandwidths("all_reduce", 1e9, 1000.0, 4) == pytest.approx((1.0, 1.5))      # 2(n-1)/n
     assert bandwidths("reduce_scatter", 1e9, 1000.0, 2) == pytest.approx((1.0, 0.5))  # (n-1)/n
+
+
+def test_paired_and_best_speedup():
+    # rounds: (10, 5) -> 2, (30, 10) -> 3, (12, 12) -> 1: median 2; the medians' ratio 12/10 = 1.2
+    # would hide that the variant was faster in two rounds of three
+    base, mine = [10.0, 30.0, 12.0], [5.0, 10.0, 12.0]
+    assert paired_speedup(base, mine) == pytest.approx(2.0)
+    assert best_speedup(base, mine) == pytest.approx(10.0 / 5.0)
+    assert paired_speedup([4.0, 8.0], [8.0, 4.0]) == pytest.approx(1.25)  # mean of 0.5 and 2
+    assert math.isnan(paired_speedup([], []))
+    assert math.isnan(best_speedup([1.0], []))
 
 
 def test_overlap_efficiency():

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -172,11 +173,14 @@ def time_fn(fn: Callable[[], Any], ctx: BenchContext, warmup: Optional[int] = No
 def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
                         warmup: Optional[int] = None,
                         iters: Optional[int] = None) -> Dict[str, List[float]]:
-    """Every timed iteration (ms, the slowest rank's) of several functions measured round-robin:
-    iteration i of every function runs before iteration i+1 of any. Load that drifts during a run
-    (a shared machine, clocks, the allocator) then hits every variant alike instead of whichever
-    was timed first, which matters when the variants are compared with each other (speedups).
-    Same count on every rank."""
+    """Every timed iteration (ms, the slowest rank's) of several functions measured in rounds:
+    iteration i of every function runs in round i, before iteration i+1 of any. Load that drifts
+    during a run (a shared machine, clocks, the allocator) then hits every variant alike instead of
+    whichever was timed first, which matters when the variants are compared with each other
+    (speedups, ``paired_speedup``). The order inside a round is shuffled per round, the same on
+    every rank (a fixed seed), so that no variant always runs right after the same other one: a
+    step can leave work behind for the next (gloo's threads, the allocator's frees). Same count on
+    every rank."""
     if recorder is not None:
         recorder.measuring()
     warmup = ctx.warmup if warmup is None else warmup
@@ -186,15 +190,16 @@ def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
         for _ in range(warmup):
             fns[name]()
     synchronize(ctx.device)
-    times: List[float] = []  # iteration-major: [it0 f0, it0 f1, ..., it1 f0, ...]
+    order = random.Random(len(names) * 1000 + iters)
+    times: Dict[str, List[float]] = {name: [] for name in names}
     for _ in range(iters):
-        for name in names:
-            times.append(_run_timed(fns[name], ctx))
-    times = _slowest_rank(times, ctx)
+        for name in order.sample(names, len(names)):
+            times[name].append(_run_timed(fns[name], ctx))
+    flat = _slowest_rank([t for name in names for t in times[name]], ctx)
     if progress_hook is not None:
         for _ in names:
             progress_hook()
-    return {name: times[i::len(names)] for i, name in enumerate(names)}
+    return {name: flat[i * iters:(i + 1) * iters] for i, name in enumerate(names)}
 
 
 def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
@@ -235,6 +240,36 @@ def speedup(t_baseline_ms: Optional[float], t_ms: Optional[float]) -> float:
     if not t_baseline_ms or not t_ms or t_ms <= 0:
         return float("nan")
     return t_baseline_ms / t_ms
+
+
+def paired_speedup(baseline: List[float], samples: List[float]) -> float:
+    """The median over rounds of ``baseline[i] / samples[i]``: sample i of both was taken in the same
+    round of ``interleaved_samples`` (> 1: faster than the baseline).
+
+    Load that lasts longer than a round (other processes on a shared machine, clock changes) slows
+    both samples of a round alike and cancels in their ratio; the median then drops the rounds a
+    burst hit only one of. That makes it the steadiest of the three estimators the suites report
+    (``speedup`` of the medians, ``best_speedup`` of the best samples)."""
+    pairs = [b / s for b, s in zip(baseline, samples) if b > 0 and s > 0]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
+def best_speedup(baseline: List[float], samples: List[float]) -> float:
+    """``min(baseline) / min(samples)``: the best sample of each, as ``timeit`` reports (the
+    quietest moment each variant met, not necessarily the same moment)."""
+    if not baseline or not samples or min(samples) <= 0:
+        return float("nan")
+    return min(baseline) / min(samples)
+
+
+def vs_peer(peer: str, name: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
+    """The columns comparing variant ``name`` with its ``peer`` (torch's counterpart) from the same
+    ``interleaved_samples``: ``peer``, ``vs_peer`` (``paired_speedup``, the suite's ratio) and
+    ``vs_peer_best`` (``best_speedup``); none for the peer itself or a variant not timed."""
+    if name == peer or name not in samples or peer not in samples:
+        return {}
+    return {"peer": peer, "vs_peer": paired_speedup(samples[peer], samples[name]),
+            "vs_peer_best": best_speedup(samples[peer], samples[name])}
 
 
 def overlap_efficiency(t_gemm_ms: Optional[float], t_comm_ms: Optional[float],

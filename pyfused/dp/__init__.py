@@ -5,6 +5,7 @@ bucket_copy.py  flatten / unflatten of a bucket (Triton kernel on CUDA, torch pa
 reducer.py      hooks, in-order overlapped all-reduce / reduce-scatter, end-of-backward finalize
 status.py       the per-iteration status all-reduce (missing gradients, "used" flags), one message
 sharded.py      ZeRO-1/2: parameter shards, optimizer wrapping, overlapped parameter all-gather
+shard_comm.py   the sharded optimizer's reduce-scatter and all-gather (all-reduce, broadcasts on gloo)
 checks.py       construction-time cross-rank agreement and the initial broadcast
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ from .. import comm
 from .._logging import logger
 from ..comm import InputError
 from ..comm.hierarchical import HostAllReduce, PipelinedHostAllReduce
-from . import bucket_copy
+from . import bucket_copy, shard_comm
 from . import buckets as _buckets
 from .buckets import Bucket
 from .status import StatusExchange
@@ -335,8 +335,7 @@ class Reducer:
             else:
                 with comm.failures_named(FINALIZE, self.pg, ("bucket", b.index)):
                     if self.sharded:
-                        b.work = comm.reduce_scatter_single(b.extra["shard_out"], buf,
-                                                            group=self.pg, async_op=True)
+                        b.work = shard_comm.reduce_scatter(b.extra["shard_out"], buf, self.pg)
                     elif self.host_reduce is not None:
                         b.work = self.host_reduce.start(buf, b.extra["piece"])
                     else:
