@@ -281,11 +281,12 @@ def test_benchmark_suite_quick(ranks, tmp_path):
 
     results = ranks.run(2, bench_quick, str(tmp_path), timeout=120)
     rows = results[0]
+    split = ("zbh1", "interleaved_zb", "zbv", "dualpipev")  # also timed with measured-cost orders
     assert [(r["schedule"], r["method"]) for r in rows] == [
-        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "interleaved_zb", "zbv",
-                            "dualpipev") for impl in ("torch", "pyfused")]
+        (s, impl) for s in ("gpipe", "1f1b", "interleaved_1f1b") + split
+        for impl in ("torch", "pyfused") + (("pyfused-measured",) if s in split else ())]
     for r in rows:
         assert r["time_ms"] > 0 and r["compute_only_ms"] > 0
-        if r["method"] == "pyfused":
+        if r["method"].startswith("pyfused"):
             assert 0 <= r["bubble_timeline"] < 1 and Path(r["timeline_png"]).stat().st_size > 1000
     assert [r["shape"] for r in results[1]] == [r["shape"] for r in rows]
