@@ -20,9 +20,9 @@ from typing import Dict, List
 import torch
 
 from pyfused import ops
+from pyfused.bench import shapes
 from pyfused.bench.gemm_collective import agree_close, method_transport
 from pyfused.bench.harness import BenchContext, op_row, time_fn
-from pyfused.bench import shapes
 from pyfused.ops import _common
 from pyfused.ops.all_reduce_add_rmsnorm import add_rmsnorm_rows, prepare
 

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from pyfused import comm
-from pyfused.comm import plans
 from pyfused.bench.harness import BenchContext, op_row
+from pyfused.comm import plans
 from pyfused.ops import _common
 from pyfused.ops.registry import OPS
 

@@ -20,9 +20,10 @@ Variants (rows):
     matmul_reduce_scatter).
 All three start from the same full model; their losses are checked against each other before
 anything is timed, and the three are timed round-robin (``harness.time_interleaved``, the
-interleaved form of ``time_fn``), so a shared machine's drifting load hits them alike. A step is ``zero_grad``, forward with labels (full logits + loss), backward and an
-AdamW step. ``tokens_per_s`` = batch x sequence / step time; ``tflops`` counts 6 x (GEMM parameters)
-per token plus causal attention (6 x 2 x s x h per token and layer, the full square), per rank.
+interleaved form of ``time_fn``), so a shared machine's drifting load hits them alike. A step is
+``zero_grad``, forward with labels (full logits + loss), backward and an AdamW step.
+``tokens_per_s`` = batch x sequence / step time; ``tflops`` counts 6 x (GEMM parameters) per token
+plus causal attention (6 x 2 x s x h per token and layer, the full square), per rank.
 
 Sizes: a small model on CPU (the default run takes a few seconds on 2 gloo ranks), a 4-layer
 2048-wide one on GPU; ``--quick`` shrinks both. pyfused validates every op's inputs across ranks by
@@ -156,8 +157,9 @@ def run(ctx) -> List[Dict]:
 
 
 def run_family(ctx, family: str) -> List[Dict]:
-    import pyfused
     from torch.distributed.device_mesh import DeviceMesh
+
+    import pyfused
 
     size = SIZES[(ctx.device.type if ctx.device.type == "cuda" else "cpu", ctx.quick)]
     label = size.label(family)

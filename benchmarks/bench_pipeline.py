@@ -47,10 +47,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pyfused import comm
+from pyfused import comm, pipeline as pf
 from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, metadata, time_fn
-from pyfused import pipeline as pf
 from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
 from pyfused.pipeline.cost_orders import cost_of
 from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order, stage_rank

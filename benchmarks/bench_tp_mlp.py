@@ -101,8 +101,12 @@ def pyfused_mlp(full: nn.Sequential, ctx, sp: bool, overlap: str) -> nn.Module:
 def torch_tp_mlp(full: nn.Sequential, ctx, sp: bool) -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
     if sp:

@@ -53,7 +53,8 @@ def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
 
     shape = _shape(case, ctx.quick)
     inputs = case.make(group.world, shape["rows"], shape["n"], shape["k"], ctx.dtype, group.device, 0)
-    label = f"W={group.world} rows={shape['rows']} n={shape['n']}" + (f" k={shape['k']}" if shape["k"] else "")
+    label = f"W={group.world} rows={shape['rows']} n={shape['n']}"
+    label += f" k={shape['k']}" if shape["k"] else ""
     common = dict(shape=label, dtype=ctx.dtype, transport=TRANSPORT, world=group.world, case=name,
                   sm_budget=group.sm_budget)
     fused = group.run(case.fused, inputs)  # first call: builds the tables, checks the timeouts

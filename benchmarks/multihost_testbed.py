@@ -51,8 +51,19 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .netns import (  # noqa: F401  (the bed's interface: tests use these names from here)
-    LINK, PREFIX, STOP_GRACE_S, Shaping, TestbedError, TestbedTimeout, clean_stale, delete_namespaces,
-    ip, namespaces, run, stop_namespace_processes, unavailable_reason,
+    LINK,
+    PREFIX,
+    STOP_GRACE_S,
+    Shaping,
+    TestbedError,
+    TestbedTimeout,
+    clean_stale,
+    delete_namespaces,
+    ip,
+    namespaces,
+    run,
+    stop_namespace_processes,
+    unavailable_reason,
 )
 
 SUBNET = "10.77.0"

@@ -3,10 +3,10 @@ benchmarks/gpu_check.sh appends to env.txt.
 
 Two processes on cuda:0 join a gloo group, allocate and exchange through torch's symmetric memory
 as ``SymmetricBuffer``'s "torch" backend does (its allocate / open, without pyfused's own check of
-the switch, so that torch's answer is what shows), write through each other's mapping and read back. Run once with
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` and once with it unset: "honoured" means the first
-maps and the second is refused. Prints one line per run and the verdict; exit 0 unless the probe
-itself broke.
+the switch, so that torch's answer is what shows), write through each other's mapping and read back.
+Run once with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` and once with it unset: "honoured"
+means the first maps and the second is refused. Prints one line per run and the verdict; exit 0
+unless the probe itself broke.
 """
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ def _free_port() -> int:
 
 
 def _close(got, want, tol, what):
-    err = (got.double().cpu() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+    scale = max(want.double().abs().max().item(), 1e-30)
+    err = (got.double().cpu() - want.double()).abs().max().item() / scale
     if not err <= tol:
         raise AssertionError(f"{what}: relative error {err:.3g} > {tol}")
 
@@ -52,8 +53,8 @@ def _close(got, want, tol, what):
 def _cases():
     """Every virtual-rank case of the registered ops (pyfused/testing/virtual_cases.py): each fused
     op's inputs, fused call and fp64 reference."""
-    from pyfused.testing.virtual_cases import cases
     from pyfused.ops.registry import OPS
+    from pyfused.testing.virtual_cases import cases
 
     return cases(OPS.values())
 

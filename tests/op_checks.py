@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pyfused.ops.registry import OPS
 from pyfused.comm import InputError
+from pyfused.ops.registry import OPS
 from tests.utils import assert_close, rank_tensors, test_device
 
 

@@ -23,7 +23,6 @@ from pyfused.ops import _common, _hooks
 from pyfused.ops._dispatch import dispatcher
 from pyfused.ops.matmul_all_reduce import chunked_matmul_all_reduce
 from pyfused.ops.registry import FUSED_HOOKS, HOOKS, OPS, OpSpec, registered
-
 from tests import test_one_rank_wrong, test_ops_properties, test_plan_cache
 from tests.op_checks import check_against_reference
 

@@ -15,8 +15,15 @@ import torch
 
 from pyfused.bench import cli
 from pyfused.bench.harness import (
-    BenchContext, bandwidths, best_speedup, op_row, overlap_efficiency, paired_speedup, speedup,
-    tensor_bytes, tflops,
+    BenchContext,
+    bandwidths,
+    best_speedup,
+    op_row,
+    overlap_efficiency,
+    paired_speedup,
+    speedup,
+    tensor_bytes,
+    tflops,
     write_results,
 )
 from pyfused.benchmarks import shapes
@@ -243,7 +250,7 @@ def test_cli_quick_end_to_end(tmp_path):
 
     mlp = _by(rows, suite="tp_mlp")
     labels = {r["shape"] for r in mlp}
-    assert labels and all(l.endswith((" TP", " SP")) for l in labels)
+    assert labels and all(label.endswith((" TP", " SP")) for label in labels)
     for shape in labels:
         got = sorted(r["method"] for r in _by(mlp, shape=shape))
         assert got == sorted(["torch-tp", "unfused", "decomposed", "fused", "auto"])
@@ -412,3 +419,16 @@ def test_suite_timeout_stops_a_suite_and_keeps_its_rows(tmp_path):
     assert 1 <= len(measured) < 10000 and all(row["suite"] == "endless" for row in measured)
     assert final["after"]["status"] == "ok"
     assert [row["shape"] for row in _jsonl(out / "after.rows.jsonl")] == ["after"]
+
+
+def test_every_suite_is_described_in_bench_md():
+    """docs/BENCH.md's suite table names every suite `python -m pyfused.bench` can run."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "BENCH.md").read_text()
+    table = text[text.index("## The suites"):]
+    table = table[:table.index("\n\n", table.index("| suite |"))]
+    suites = sorted(p.stem.removeprefix("bench_") for p in (root / "benchmarks").glob("bench_*.py"))
+    missing = [s for s in suites if f"`{s}`" not in table]
+    assert not missing, f"docs/BENCH.md's suite table does not describe {missing}"

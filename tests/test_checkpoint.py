@@ -5,10 +5,11 @@ for two steps with AdamW at (dp=2, tp=2) and saved; the run goes on for two more
 checkpoint is then loaded into a model built from a different seed at tp=4, pp=2 x tp=2, dp=4,
 fully sharded (dp=4, dp=2 x tp=2, dp=2 x pp=2) and into the plain single-process model: the
 loaded parameters must equal the saved ones bit for bit, and the next two steps (the first tests
-the parameters, the second the optimizer state) must give the saving run's losses. The same checkpoint loads into pyfused's DistributedDataParallel with a
-ZeRO-sharded optimizer over 4 ranks (its optimizer state: flat ranges of each parameter, cut across
-rows), which saves it again; that checkpoint loads into the plain model with the same losses. A
-GPT-2 saved fully sharded at dp=2 x pp=2 loads back on that mesh and into the plain model.
+the parameters, the second the optimizer state) must give the saving run's losses. The same
+checkpoint loads into pyfused's DistributedDataParallel with a ZeRO-sharded optimizer over 4 ranks
+(its optimizer state: flat ranges of each parameter, cut across rows), which saves it again; that
+checkpoint loads into the plain model with the same losses. A GPT-2 saved fully sharded at dp=2 x
+pp=2 loads back on that mesh and into the plain model.
 """
 import pytest
 import torch

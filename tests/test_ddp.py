@@ -296,7 +296,6 @@ def _build_mismatched(rank, world, variant):
     import torch.nn as nn
 
     from pyfused.layers import DistributedDataParallel
-
     from tests.utils import test_device as device_of_ranks
 
     model = H.build("mlp", 0)

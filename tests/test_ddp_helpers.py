@@ -20,8 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from tests.utils import assert_close
-from tests.utils import test_device as device_of_ranks
+from tests.utils import assert_close, test_device as device_of_ranks
 
 VOCAB, T_MAX = 23, 7
 
@@ -97,8 +96,8 @@ def build(kind: str, seed: int) -> nn.Module:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
-    return {"mlp": MLP, "backwards": BackwardsMLP, "cnn": CNN, "cnn_gn": lambda: CNN("group"), "lstm": Recurrent,
-            "gru": lambda: Recurrent("gru"), "branchy": Branchy}[kind]().to(dev)
+    return {"mlp": MLP, "backwards": BackwardsMLP, "cnn": CNN, "cnn_gn": lambda: CNN("group"),
+            "lstm": Recurrent, "gru": lambda: Recurrent("gru"), "branchy": Branchy}[kind]().to(dev)
 
 
 def batch(kind: str, seed: int, step: int, rank: int, micro: int = 0):

@@ -130,8 +130,7 @@ def _accumulator_bytes(rank, world):
     (its ``unsharded_accumulated_grad``), pyfused one fp32 buffer per unit in the reduce-scatter's
     padded layout, which the synchronising step reduce-scatters in place. Equal bytes but for the
     padding rows; no bf16 gradient is left on pyfused's gathered parameters."""
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule, fully_shard as torch_fully_shard
 
     from pyfused.benchmarks import bench_fsdp
     from pyfused.fsdp import fully_shard

@@ -19,8 +19,11 @@ def _shard(model, **kwargs):
 
 
 def _state_dict_round_trip(rank, world, folder):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     original = H.build("llama").state_dict()
     model = _shard(H.build("llama"))

@@ -1,7 +1,8 @@
 """The fused method on a GPU (marked gpu; benchmarks/gpu_check.sh runs world size 1; larger worlds
-need PYFUSED_TEST_BACKEND=nccl and one GPU per rank -- on one GPU, tests/test_virtual_ranks.py): the public ops with method="fused" against the unfused method, forward and backward;
-the CUDA all-reduce's one-shot == two-shot bit for bit on every rank; torch.compile over the fused
-ops. The CPU models of the same kernels and schedules are in tests/test_fused.py.
+need PYFUSED_TEST_BACKEND=nccl and one GPU per rank -- on one GPU, tests/test_virtual_ranks.py): the
+public ops with method="fused" against the unfused method, forward and backward; the CUDA
+all-reduce's one-shot == two-shot bit for bit on every rank; torch.compile over the fused ops. The
+CPU models of the same kernels and schedules are in tests/test_fused.py.
 """
 import os
 
@@ -43,8 +44,10 @@ def _gpu_op_body(rank, world, op, dtype, iters):
             g = torch.randn_like(ref)
             y.backward(g)
             ref.backward(g)
-            for got, want, what in ((y, ref, "out"), (a.grad, a2.grad, "grad a"), (b.grad, b2.grad, "grad b")):
-                err = (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+            pairs = ((y, ref, "out"), (a.grad, a2.grad, "grad a"), (b.grad, b2.grad, "grad b"))
+            for got, want, what in pairs:
+                scale = max(want.double().abs().max().item(), 1e-30)
+                err = (got.double() - want.double()).abs().max().item() / scale
                 assert err <= tol, f"{op} {shape}x{n} {dtype} iter {it} rank {rank}: {what} rel err {err:.3g}"
     from pyfused.fused.gemm_collectives import TIMEOUTS
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from pyfused.kernels.gemm_configs import GemmConfig, NOMINAL_SMS, choose_gemm_config
+from pyfused.kernels.gemm_configs import NOMINAL_SMS, GemmConfig, choose_gemm_config
 from pyfused.kernels.gemm_launch import gemm, gemm_ref, plan_gemm
 from pyfused.kernels.reduce_launch import PointerTable, WaitTimeout
 from tests.utils import assert_close

@@ -89,7 +89,8 @@ def test_plan_order_and_bench_bounds():
     one = [s[0] for s in calls[1]["steps"]]
     assert one.index("build") < one.index("tests_1rank") < one.index("virtual") < one.index("pack")
     assert {"warm_vr", "warm_1gpu"} <= set(one) and one[-1] == "pack"
-    assert any(f.endswith(".so") for f in calls[1]["returns"]) and "triton_cache.tar.gz" in calls[1]["returns"]
+    returns = calls[1]["returns"]
+    assert any(f.endswith(".so") for f in returns) and "triton_cache.tar.gz" in returns
     two = [s[0] for s in calls[2]["steps"]]
     assert "build" not in two and two.index("install") < two.index("cache") < two.index("memcheck_w1")
     benches = [i for i, name in enumerate(two) if name.startswith("bench_")]

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import hopper_compile as hc
-from benchmarks import hopper_variants as hv
+from benchmarks import hopper_compile as hc, hopper_variants as hv
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "PERF_kernels.md"

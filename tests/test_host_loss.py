@@ -35,8 +35,7 @@ from typing import Callable, Dict, List
 import pytest
 
 from benchmarks import multihost_testbed as mt
-from tests import multihost as M
-from tests import multihost_checks as C
+from tests import multihost as M, multihost_checks as C
 
 pytest.importorskip("transformers", reason="examples/train_llm.py needs transformers (the 'models' extra)")
 pytestmark = pytest.mark.slow

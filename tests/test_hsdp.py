@@ -291,8 +291,7 @@ def _dcp_round_trip(rank, world, folder):
     """Model and optimizer state (torch's get_state_dict) saved by DCP at HSDP 2x2, loaded at FSDP
     over 4 ranks and at HSDP 1x4, and saved at FSDP, loaded at HSDP: bit-exact."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     meshes = {"hsdp": _mesh((2, 2)), "fsdp": _mesh((4,), ("dp",)), "hsdp-1x4": _mesh((1, 4))}
     saved = {}

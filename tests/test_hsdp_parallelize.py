@@ -15,8 +15,7 @@ rank.
 import pytest
 import torch
 
-from tests import test_checkpoint as C
-from tests import test_parallelize_mesh as M
+from tests import test_checkpoint as C, test_parallelize_mesh as M
 from tests.utils import assert_close
 
 pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers")

@@ -75,9 +75,7 @@ def _plain_step(path, saved):
     """Load into the plain model (DCP in this process) and run the next step on data rank 0's
     batch alone: its loss is the forward before the update, so it needs the parameters only."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict, set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     from tests.moe_models import batch, build
 

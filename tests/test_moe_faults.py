@@ -5,9 +5,9 @@ Three fresh gloo ranks per case (tests/fault_ranks.py), as tests/test_faults.py 
 paths. Each rank runs steps of dispatch -> GELU -> combine, forward and backward; the victim strikes
 (``comm.faults.strike_at``) the second time it passes one of the ops' fault points -- before the
 count exchange, before the token transfer of dispatch, before combine's -- so that the first step
-ran healthy. The full grid (PYFUSED_FULL_MOE_MATRIX=1) strikes each point once killed with the decomposed method
-and once frozen with the unfused one; by default three cases cover each point once, both actions
-and both methods.
+ran healthy. The full grid (PYFUSED_FULL_MOE_MATRIX=1) strikes each point once killed with the
+decomposed method and once frozen with the unfused one; by default three cases cover each point
+once, both actions and both methods.
 """
 from __future__ import annotations
 

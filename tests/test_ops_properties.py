@@ -1,11 +1,9 @@
 """Property-based shapes (hypothesis), op registration (opcheck, torch.compile) and group forms."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pyfused.ops.registry import GEMM_OPS, OPS as REGISTRY
-
 from tests.op_checks import check_against_reference
 from tests.utils import assert_close, rank_tensors
 
@@ -13,7 +11,8 @@ OPS = list(GEMM_OPS)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(op=st.sampled_from(OPS), world=st.sampled_from([2, 3]), method=st.sampled_from(["decomposed", "unfused"]),
+@given(op=st.sampled_from(OPS), world=st.sampled_from([2, 3]),
+       method=st.sampled_from(["decomposed", "unfused"]),
        rows=st.integers(1, 7), mid=st.lists(st.integers(1, 3), max_size=2), k=st.integers(1, 40),
        n=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_random_shapes_match_reference(ranks, op, world, method, rows, mid, k, n, dtype):
@@ -74,8 +73,12 @@ def _subgroups(rank, world):
     """Two disjoint groups {0,2} and {1,3}: the ring must address peers by global rank."""
     import torch.distributed as dist
 
-    from pyfused.ops import all_gather_matmul, all_gather_matmul_ref, matmul_reduce_scatter, \
-        matmul_reduce_scatter_ref
+    from pyfused.ops import (
+        all_gather_matmul,
+        all_gather_matmul_ref,
+        matmul_reduce_scatter,
+        matmul_reduce_scatter_ref,
+    )
 
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pg = groups[rank % 2]

@@ -196,7 +196,8 @@ def test_replicate_inside_sequence_parallel_region(ranks, world):
     # TP=3 (no power of two): 6 heads / 3 KV heads, FFN 45, vocabulary padded; the control without
     # sequence parallelism once, at TP=2
     variants = [("norms", True), ("mlp", True)] + ([("mlp", False)] if world == 2 else [])
-    shape = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45} if world == 3 else {}
+    shape = ({"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 45}
+             if world == 3 else {})
     assert all(ranks.run(world, _replicate_in_region, variants, shape, timeout=300))
 
 
@@ -262,7 +263,8 @@ def _report(rank, world):
             before = pm.report()
             pm(input_ids=ids, labels=labels).loss.backward()
         rows = {m.name: m for m in pm.report().modules}
-        results[overlap] = (str(before), {n: (m.style, m.module, m.op, m.method, m.why) for n, m in rows.items()},
+        described = {n: (m.style, m.module, m.op, m.method, m.why) for n, m in rows.items()}
+        results[overlap] = (str(before), described,
                             pm.report().methods(), printed.getvalue())
     logging.getLogger("pyfused").removeHandler(handler)
     results["debug records emitted"] = [r.getMessage() for r in seen if r.levelno < logging.WARNING]

@@ -1,7 +1,7 @@
 """``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp equals the
 same model trained in one process on the whole batch (every gradient of the first step, the loss
-of every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple of 2 cp); refused
-model types and attention masks raise the same error on every rank.
+of every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple
+of 2 cp); refused model types and attention masks raise the same error on every rank.
 
 The parameters after the steps are compared with a tolerance of 1% of the learning rate per step:
 AdamW divides each gradient by its running RMS, so an fp32 rounding difference in a gradient near

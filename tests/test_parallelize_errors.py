@@ -108,9 +108,11 @@ CASES = {
     "plan_typo": (lambda r, w: build("llama"), {"plan": {"model.layer.*.mlp.up_proj": "colwise"}},
                   "matches no module"),
     "uncovered": (lambda r, w: build("llama"),
-                  {"plan": {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}},
+                  {"plan": {"model.layers.*.mlp.up_proj": "colwise",
+                            "model.layers.*.mlp.down_proj": "rowwise"}},
                   "the plan does not cover parameter(s) model.embed_tokens.weight"),
-    "bad_style": (lambda r, w: build("llama"), {"plan": {"lm_head": "columnwise"}}, "unknown style 'columnwise'"),
+    "bad_style": (lambda r, w: build("llama"), {"plan": {"lm_head": "columnwise"}},
+                  "unknown style 'columnwise'"),
     # on a 2-D mesh the verdict travels along both dims: rank 3 shares no dim group with rank 0
     "differs_2d": (lambda r, w: build("gpt2", n_inner=52 + 4 * (r == 3)), {"mesh": ((2, 2), ("dp", "tp"))},
                    "these differ between ranks: the model (parameter and buffer names"),
@@ -137,9 +139,11 @@ CASES = {
         "'model.layers.1.mlp.up_proj' is a _ClampedLinear, a subclass of nn.Linear whose forward differs"),
     # weights that differ between ranks: named on every rank, also across the dims of a 2-D mesh
     "weights_differ": (_weights_differ, {},
-                       "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
+                       "weights differ between ranks (first differing tensor: "
+                       "model.layers.1.mlp.up_proj.weight)"),
     "weights_differ_2d": (_weights_differ, {"mesh": ((2, 2), ("dp", "tp"))},
-                          "weights differ between ranks (first differing tensor: model.layers.1.mlp.up_proj.weight)"),
+                          "weights differ between ranks (first differing tensor: "
+                          "model.layers.1.mlp.up_proj.weight)"),
     # fused projections under a style that cuts through their layout (every family and style:
     # tests/test_parallelize_families.py); GPT-NeoX's query_key_value interleaves q, k, v per head
     "interleaved_qkv": (_gpt_neox, _auto_plan_with(
@@ -160,7 +164,8 @@ CASES = {
                     "pp=4 stages but the model has only 3 pipeline units"),
     # the options and the mesh, each checked before the agreement (parallelize/steps.py)
     "unnamed_mesh": (lambda r, w: build("llama"), {"mesh": ((4,), None)}, "mesh needs named dims"),
-    "dp_value": (lambda r, w: build("llama"), {"dp": "zero"}, "dp must be 'ddp', 'fsdp' or 'hsdp', got 'zero'"),
+    "dp_value": (lambda r, w: build("llama"), {"dp": "zero"},
+                 "dp must be 'ddp', 'fsdp' or 'hsdp', got 'zero'"),
     "pipeline_options_without_pp": (lambda r, w: build("llama"), {"n_microbatches": 2},
                                     "pipeline options ['n_microbatches'] given but the mesh has no pp "
                                     "dim > 1"),

@@ -17,7 +17,13 @@ import torch
 import torch.nn as nn
 
 from pyfused.pipeline import (
-    PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, even_starts, layer_units,
+    PipelineSegment,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    even_starts,
+    layer_units,
     split,
 )
 from pyfused.pipeline.plan import local_stages

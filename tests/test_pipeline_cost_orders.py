@@ -12,17 +12,19 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from pyfused.pipeline.actions import BACKWARD, FORWARD, V_SHAPED, WEIGHT, Action, local_stages
 from pyfused.pipeline.cost_orders import (
-    check_costs, cost_of, exact_orders, measured_orders, peak_live, predicted,
+    check_costs,
+    cost_of,
+    exact_orders,
+    measured_orders,
+    peak_live,
+    predicted,
 )
 from pyfused.pipeline.plan import PlanError, build_plan, check_counts, choose_plan, simulate
-from pyfused.pipeline.zero_bubble import (
-    fixed_policy, list_schedule, replay, unit_bubble, zero_bubble_orders,
-)
+from pyfused.pipeline.zero_bubble import fixed_policy, list_schedule, replay, unit_bubble, zero_bubble_orders
 
 SPLIT_V = {"zbh1": 1, "interleaved_zb": 2, "zbv": 2, "dualpipev": 2}
 

@@ -9,8 +9,21 @@ from hypothesis import given, settings, strategies as st
 
 from pyfused.pipeline import bubble_theory, even_starts, partition, stage_sums
 from pyfused.pipeline.plan import (
-    ACT, BACKWARD, FORWARD, GRAD, SCHEDULES, Action, PlanError, Step, build_plan, check_counts,
-    choose_plan, local_stages, needed, rank_order, simulate,
+    ACT,
+    BACKWARD,
+    FORWARD,
+    GRAD,
+    SCHEDULES,
+    Action,
+    PlanError,
+    Step,
+    build_plan,
+    check_counts,
+    choose_plan,
+    local_stages,
+    needed,
+    rank_order,
+    simulate,
 )
 
 # Every valid (schedule, p, v, m) of the unsplit schedules up to p=5, v=3, m=12: ~600 plans, each

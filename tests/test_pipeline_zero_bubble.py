@@ -18,13 +18,33 @@ import torch
 import torch.nn as nn
 
 from pyfused.pipeline import (
-    PipelineSegment, PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBH1, ScheduleZBVZeroBubble,
-    even_starts, layer_units, split,
+    PipelineSegment,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBH1,
+    ScheduleZBVZeroBubble,
+    even_starts,
+    layer_units,
+    split,
 )
 from pyfused.pipeline.plan import (
-    BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, PlanError, bubble_theory,
-    check_counts, choose_plan, local_stages, rank_order, simulate,
+    BACKWARD,
+    FORWARD,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    WEIGHT,
+    Action,
+    PlanError,
+    bubble_theory,
+    check_counts,
+    choose_plan,
+    local_stages,
+    rank_order,
+    simulate,
 )
 from pyfused.pipeline.split_backward import backward_input, backward_weight
 from pyfused.pipeline.zero_bubble import unit_bubble, zero_bubble_orders
@@ -224,7 +244,7 @@ def train_and_compare(rank, world, schedule, v, m, rows, costs=None):
                          name=f"{schedule} step {step} grad of {names[id(p)]} on rank {rank}")
         if n_stages - 1 in mine:
             sizes = [len(c) for c in torch.tensor_split(y, m)]
-            weighted = sum(l * n for l, n in zip(losses, sizes)) / rows
+            weighted = sum(loss * n for loss, n in zip(losses, sizes)) / rows
             assert_close(weighted, ref_loss.detach(), name=f"loss step {step}")
             assert_close(out, ref_out.detach(), name=f"output step {step}")
         if opt:

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from pyfused.kernels.reduce_configs import (
-    MAX_NORM_HIDDEN, MAX_NORM_HIDDEN_FP32, ReduceConfig, choose_reduce_config,
+    MAX_NORM_HIDDEN,
+    MAX_NORM_HIDDEN_FP32,
+    ReduceConfig,
+    choose_reduce_config,
 )
 from pyfused.kernels.reduce_launch import PointerTable, WaitTimeout, multi_source_reduce, reduce_ref
 from tests.utils import assert_close

@@ -241,7 +241,8 @@ def test_epochs_restart_with_zeroed_pads(ranks):
 
 def _need_nccl_pool():
     if "nccl" not in os.environ.get("PYFUSED_TEST_BACKEND", "gloo"):
-        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl (benchmarks/gpu_check.sh step symm_w2 sets it)")
+        pytest.skip("multi-rank GPU runs need PYFUSED_TEST_BACKEND=nccl "
+                    "(benchmarks/gpu_check.sh step symm_w2 sets it)")
 
 
 def _gpu_peers_and_free(rank, world, backend):

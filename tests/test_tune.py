@@ -14,7 +14,6 @@ from pyfused import tune
 from pyfused.tune import CacheError, Entry
 from pyfused.tune.tuner import decide
 
-
 # ---- the decision rule -------------------------------------------------------------------------
 
 def test_decide_picks_the_fastest_only_when_it_beats_unfused():

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from pyfused.ops.registry import GEMM_OPS
-
 from tests.op_checks import error_of
 
 F32, F16 = torch.float32, torch.float16
@@ -68,7 +67,7 @@ def test_different_ops_on_different_ranks(ranks):
 
 def _mismatched_ops(rank, world):
     from pyfused.comm import InputError
-    from pyfused.ops import matmul_all_reduce, all_gather_matmul
+    from pyfused.ops import all_gather_matmul, matmul_all_reduce
 
     fn = all_gather_matmul if rank == 0 else matmul_all_reduce
     try:
@@ -129,9 +128,7 @@ def test_per_device_backends_validate_on_the_host(monkeypatch, caplog):
     import logging
     import types
 
-    from pyfused.comm import comm_device
-    from pyfused.comm import group as group_mod
-    from pyfused.comm import validate as validate_mod
+    from pyfused.comm import comm_device, group as group_mod, validate as validate_mod
 
     fake = types.SimpleNamespace(group_name="tp0")
     monkeypatch.setattr(group_mod.dist, "get_backend", lambda pg=None: "cpu:gloo,cuda:nccl")

@@ -28,8 +28,8 @@ CPU_SHAPE = dict(rows=6, n=20, k=12)  # odd sizes: partial tiles everywhere
 
 def _cases():
     """Every virtual-rank case of the registered ops (pyfused/testing/virtual_cases.py)."""
-    from pyfused.testing.virtual_cases import cases
     from pyfused.ops.registry import OPS
+    from pyfused.testing.virtual_cases import cases
 
     return cases(OPS.values())
 

@@ -1,4 +1,5 @@
-"""Shapes the benchmark suites and the tuner (``python -m pyfused.tune``) run: Llama-3 8B / 70B layers, tensor-parallel sharded.
+"""Shapes the benchmark suites and the tuner (``python -m pyfused.tune``) run: Llama-3 8B / 70B
+layers, tensor-parallel sharded.
 
 The four GEMMs of a Llama-3 decoder layer that tensor parallelism (TP) shards, as ``[in, out]``:
 

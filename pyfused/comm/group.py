@@ -67,7 +67,8 @@ def resolve_group(group: Any = None) -> Optional[dist.ProcessGroup]:
             )
         return group.get_group()
     raise GroupError(
-        f"group must be None, a ProcessGroup, a 1-D DeviceMesh or (DeviceMesh, dim name); got {type(group).__name__}"
+        f"group must be None, a ProcessGroup, a 1-D DeviceMesh or (DeviceMesh, dim name); "
+        f"got {type(group).__name__}"
     )
 
 

@@ -50,16 +50,24 @@ import torch.distributed as dist
 
 from .._logging import logger
 from .agreement import LocalWorkError, agree_on
-from .group import BufferProvider
-from .group import group_name as _group_name
-from .group import rank as _rank
-from .group import resolve_group
-from .group import world_size as _world_size
-from .topology import local_host
-from .symmetric_backends import (  # noqa: F401  (re-exported: the public names live here)
-    BACKENDS, Backend, CudaIpcBackend, HostSharedMemoryBackend, LocalBackend, Mapping,
-    SymmetricUnavailable, TorchSymmetricMemoryBackend,
+from .group import (
+    BufferProvider,
+    group_name as _group_name,
+    rank as _rank,
+    resolve_group,
+    world_size as _world_size,
 )
+from .symmetric_backends import (  # noqa: F401  (re-exported: the public names live here)
+    BACKENDS,
+    Backend,
+    CudaIpcBackend,
+    HostSharedMemoryBackend,
+    LocalBackend,
+    Mapping,
+    SymmetricUnavailable,
+    TorchSymmetricMemoryBackend,
+)
+from .topology import local_host
 
 # Mirrors of csrc/allreduce.h (checked by check_layout).
 MAX_WORLD = 8
@@ -190,7 +198,8 @@ def _check_peer_access(device: torch.device, records: Sequence[Record]) -> None:
     if device.type != "cuda":
         return
     for q, r in enumerate(records):
-        if r.device_index != device.index and not torch.cuda.can_device_access_peer(device.index, r.device_index):
+        if (r.device_index != device.index
+                and not torch.cuda.can_device_access_peer(device.index, r.device_index)):
             raise SymmetricUnavailable(f"cuda:{device.index} has no peer access to cuda:{r.device_index} "
                                        f"(rank {q}'s GPU)")
 

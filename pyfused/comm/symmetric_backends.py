@@ -159,9 +159,8 @@ class HostSharedMemoryBackend(Backend):
         return local, shm.name, shm
 
     def open(self, records, rank, local, state, total, device, pg):
-        import mmap
-
         import _posixshmem  # CPython's own shm_open, what multiprocessing.shared_memory uses
+        import mmap
 
         maps = {rank: state}
         peers = []

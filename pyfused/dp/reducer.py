@@ -56,8 +56,7 @@ from .. import comm
 from .._logging import logger
 from ..comm import InputError
 from ..comm.hierarchical import HostAllReduce, PipelinedHostAllReduce
-from . import bucket_copy, shard_comm
-from . import buckets as _buckets
+from . import bucket_copy, buckets as _buckets, shard_comm
 from .buckets import Bucket
 from .status import StatusExchange
 

@@ -41,7 +41,6 @@ from ..comm import Signature
 from . import shard_comm
 from .buckets import Bucket
 
-
 # What a failed gather (or the step's check) of the sharded optimizer is reported as.
 GATHER = "DistributedDataParallel sharded optimizer (parameter gather)"
 

@@ -48,8 +48,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import checks
-from . import mesh as mesh_mod
+from . import checks, mesh as mesh_mod
 from .group import SHARDED, UNSHARDED, ParamGroup, ShardedParam, set_param
 
 try:

@@ -65,13 +65,16 @@ from torch import Tensor
 
 from ..comm import streams
 from ..comm.flags import signal_flag, wait_flag
-from ..comm.group import rank as group_rank
-from ..comm.group import resolve_group, world_size
+from ..comm.group import rank as group_rank, resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
 from ..kernels.gemm_launch import describe_gemm_timeout, gemm, plan_gemm
 from ..kernels.reduce_launch import (
-    PointerTable, WaitTimeout, describe_reduce_timeout, interpreter_launches_concurrent,
-    multi_source_reduce, new_status,
+    PointerTable,
+    WaitTimeout,
+    describe_reduce_timeout,
+    interpreter_launches_concurrent,
+    multi_source_reduce,
+    new_status,
 )
 from . import config
 

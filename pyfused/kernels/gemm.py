@@ -40,8 +40,9 @@ Wait (consumer half of all-gather + GEMM), WAIT=True
   No hang: a spin gives up after ``timeout_ns`` of wall-clock time on a GPU (``%globaltimer``, read
   in inline PTX; WALL_CLOCK=True), or after ``spin_limit`` polls in the interpreter; the program
   then records ``1 + c`` in ``status[0]`` (first timeout wins, atomic compare-and-swap) and
-  computes the tile from whatever A holds; every later tile of every program sees ``status[0] != 0`` and stops waiting. The launcher
-  turns a non-zero status into an error (``pyfused.kernels.gemm_launch.raise_on_timeout``).
+  computes the tile from whatever A holds; every later tile of every program sees ``status[0] != 0``
+  and stops waiting. The launcher turns a non-zero status into an error
+  (``pyfused.kernels.gemm_launch.raise_on_timeout``).
 
 Signal (producer half of GEMM + reduce-scatter / all-reduce), SIGNAL=True
   After a tile of chunk c is stored, the program passes a barrier (every thread's stores of the tile
@@ -62,7 +63,6 @@ tables of CPU tensors work: the interpreter dereferences the raw host addresses.
 """
 import triton
 import triton.language as tl
-
 
 # A bounded spin in one asm block, run by every thread of the program: acquire-poll the flag until it
 # is >= expected or ``timeout_ns`` of wall-clock time (%globaltimer, ns) have passed; the last value

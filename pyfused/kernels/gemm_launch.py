@@ -33,9 +33,20 @@ import torch
 from torch import Tensor
 
 from .reduce_launch import (
-    DEFAULT_SPIN_LIMIT, DEFAULT_TIMEOUT_MS, PointerTable, check_backend, check_flags,
-    check_wait_args, check_scope, chunk_order_tensor, chunk_rows_of,
-    interpreter_launches_concurrent, new_status, raise_on_timeout, serialized, timeout_ns,
+    DEFAULT_SPIN_LIMIT,
+    DEFAULT_TIMEOUT_MS,
+    PointerTable,
+    check_backend,
+    check_flags,
+    check_scope,
+    check_wait_args,
+    chunk_order_tensor,
+    chunk_rows_of,
+    interpreter_launches_concurrent,
+    new_status,
+    raise_on_timeout,
+    serialized,
+    timeout_ns,
 )
 
 B_LAYOUTS = ("kn", "nk")
@@ -230,7 +241,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
          signal_counters: Optional[Tensor] = None,
          out_chunks: Union[None, PointerTable, Sequence[Tensor]] = None,
          status: Optional[Tensor] = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
-         timeout_ms: int = DEFAULT_TIMEOUT_MS, flag_scope: str = "sys", signal_scope: str = "gpu", config=None, autotune: bool = False,
+         timeout_ms: int = DEFAULT_TIMEOUT_MS, flag_scope: str = "sys", signal_scope: str = "gpu",
+         config=None, autotune: bool = False,
          num_programs: Optional[int] = None, allow_tf32: Optional[bool] = None
          ) -> Union[Tensor, PointerTable, List[Tensor]]:
     """``C = a @ b (+ bias)`` with the persistent Triton kernel; see the module docstring.

@@ -347,8 +347,8 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
       SMs to kernels that must run beside a waiting reduce.
     Returns ``out`` (allocated like the sources if not given).
     """
-    from .reduce import multi_source_reduce_kernel
     from .gemm_configs import arch_of
+    from .reduce import multi_source_reduce_kernel
     from .reduce_configs import choose_reduce_config
 
     table = _as_table(sources)

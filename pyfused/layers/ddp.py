@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..dp import buckets as _buckets
-from ..dp import reduction
+from ..dp import buckets as _buckets, reduction
 from ..dp.checks import agree_module, broadcast_coalesced
 from ..dp.reducer import Reducer
 from ..dp.sharded import ShardedState

@@ -31,11 +31,8 @@ from torch import Tensor
 
 from .. import comm
 from ..comm import plans
-from ..ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ..ops import _common
-from ._tp_functions import (
-    AddSequenceParallelBias, ColumnLinearReplicatedInput, GatherLastDim, ScatterLastDim,
-)
+from ..ops import _common, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from ._tp_functions import AddSequenceParallelBias, ColumnLinearReplicatedInput, GatherLastDim, ScatterLastDim
 
 
 def _check_layer_args(kind: str):

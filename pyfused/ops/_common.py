@@ -32,11 +32,21 @@ from .. import comm
 from .._logging import logger
 from ..comm import plans, validate
 from ._signature import (  # noqa: F401  (part of this module's interface)
-    FLOAT_DTYPES, METHODS, NOT_A_METHOD, CallSignature, MethodUnavailable, agreement, call_key,
-    check_matmul_inputs, common_refusal, int_code, method_code, _chunk_code, _meta,
+    FLOAT_DTYPES,
+    METHODS,
+    NOT_A_METHOD,
+    CallSignature,
+    MethodUnavailable,
+    _chunk_code,
+    _meta,
+    agreement,
+    call_key,
+    check_matmul_inputs,
+    common_refusal,
+    int_code,
+    method_code,
 )
 from .registry import OPS
-
 
 # Below this many FLOPs per rank's GEMM the chunked schedule's extra launches and messages cost more
 # than the overlap can save (a 2-rank gloo run at 256x1024x1024 is about break-even); ``auto``

@@ -106,11 +106,7 @@ def ensure_group(pg, device, backend: Optional[str] = None) -> Tuple[bool, str]:
     Every rank of ``pg`` must call it at the same point; all get the same answer."""
     key = _group_key(pg, device)
     if key not in _groups:
-        from ..comm.symmetric import (
-            MIN_SIZE_CLASS,
-            SymmetricBuffer,
-            SymmetricUnavailable,
-        )
+        from ..comm.symmetric import MIN_SIZE_CLASS, SymmetricBuffer, SymmetricUnavailable
 
         try:
             SymmetricBuffer.get(pg, MIN_SIZE_CLASS, device, backend)

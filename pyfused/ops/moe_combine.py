@@ -44,7 +44,12 @@ from .. import comm
 from . import _common, moe_exchange
 from ._dispatch import dispatcher
 from .moe_dispatch import (
-    _ABSENT, EXPERTS_PER_RANK, auto_preference, expert_major_pairs, expert_weights, routed_tokens,
+    _ABSENT,
+    EXPERTS_PER_RANK,
+    auto_preference,
+    expert_major_pairs,
+    expert_weights,
+    routed_tokens,
     tokenless,
 )
 from .moe_exchange import Routing

@@ -1,7 +1,8 @@
 """The tuning cache ``method="auto"`` reads: per-shape choice of method and chunking.
 
 It lives beside the ops, which read it; ``pyfused.tune`` (which measures and writes entries, and
-re-exports these names) sits above the ops (docs/ARCHITECTURE.md). The cache is a JSON file (``PYFUSED_TUNE_CACHE``, default ``~/.cache/pyfused/tune.json``) mapping
+re-exports these names) sits above the ops (docs/ARCHITECTURE.md). The cache is a JSON file
+(``PYFUSED_TUNE_CACHE``, default ``~/.cache/pyfused/tune.json``) mapping
 ``device|world|op|a-shape|b-shape|dtype`` to the method (and chunk count) measured fastest.
 ``method="auto"`` looks its shape up here; every rank uses rank 0's entry (the choice travels in the
 validation exchange).

@@ -4,7 +4,7 @@
     model = pyfused.parallelize(model, mesh)          # plan="auto": the families in plans.FAMILIES
     out = model(input_ids, labels=labels)             # full logits and loss, as the original returns
 """
-from .api import ParallelModel, ParallelizeError, parallelize
+from .api import ParallelizeError, ParallelModel, parallelize
 from .plans import FAMILIES, STYLES, PlanError, auto_plan, gpt2_plan, gpt_neox_plan, llama_plan
 from .report import ParallelizeReport
 

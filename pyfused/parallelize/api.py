@@ -32,14 +32,21 @@ import torch.nn as nn
 from .. import comm
 from .._logging import logger
 from ..fsdp import compose as fsdp_compose
-from . import report as report_mod
-from . import tensor_parallel as tp_mod
+from . import report as report_mod, tensor_parallel as tp_mod
 from .checks import ParallelizeError
 from .sequence import _check_divisible
 from .shard import ShardSpec
 from .steps import (
-    MeshInfo, agree_across_ranks, apply_cp, apply_ddp, apply_ep, apply_fsdp, apply_pipeline,
-    apply_tp, average_over_ep, check_locally,
+    MeshInfo,
+    agree_across_ranks,
+    apply_cp,
+    apply_ddp,
+    apply_ep,
+    apply_fsdp,
+    apply_pipeline,
+    apply_tp,
+    average_over_ep,
+    check_locally,
 )
 
 __all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]

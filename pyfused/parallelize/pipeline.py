@@ -48,12 +48,16 @@ from .. import comm
 from .._logging import logger
 from ..fsdp import compose as fsdp_compose
 from ..layers import DistributedDataParallel
-from ..pipeline import (
-    PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, even_starts, split,
-)
+from ..pipeline import PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, even_starts, split
 from ..pipeline.accumulation import before_backward
 from .pipeline_units import (
-    Block, Embed, Head, ModelParts, NotOnThisStage, outer_modules, replace_with_placeholder,
+    Block,
+    Embed,
+    Head,
+    ModelParts,
+    NotOnThisStage,
+    outer_modules,
+    replace_with_placeholder,
 )
 
 PIPELINE_OPTIONS = ("n_microbatches", "schedule", "balance", "split_points", "example_input_ids")

@@ -84,7 +84,8 @@ class ModelParts:
     def until_block(self, i: int, **inputs):
         """(args, kwargs) the forward passes to block ``i``."""
         n = len(self.blocks)
-        with self._blocks_replaced([_Pass() for _ in range(i)] + [_StopHere()] + [_Pass() for _ in range(n - i - 1)]):
+        stand_ins = [_Pass() for _ in range(i)] + [_StopHere()] + [_Pass() for _ in range(n - i - 1)]
+        with self._blocks_replaced(stand_ins):
             try:
                 self.base(use_cache=False, **inputs)
             except _Stop as stop:

@@ -260,7 +260,8 @@ def auto_plan(model: nn.Module) -> Dict[str, str]:
                           "colwise_norm" if family == "olmo2" else "head_shared", family == "phi3")
     prefix = "transformer." if "transformer.h" in names else ""
     if f"{prefix}h" not in names:
-        raise PlanError(f"{type(model).__name__} (gpt2) has no 'h' block list where the GPT-2 plan expects it")
+        raise PlanError(f"{type(model).__name__} (gpt2) has no 'h' block list where the GPT-2 plan "
+                        f"expects it")
     return gpt2_plan(prefix, "lm_head" in names)
 
 

@@ -21,7 +21,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-
 # layer class -> (op whose method is chosen per call, or None; what it communicates)
 COMMUNICATION = {
     "SequenceParallelColumn": ("all_gather_matmul", "all-gather of the sequence shard + GEMM "

@@ -31,8 +31,9 @@ input once at the module's entry (``gather_for_local_columns``: all-gather, back
 reduce-scatter) and their q/k/v projections are plain local GEMMs on that gathered input
 (``LocalInputColumn``): autograd sums the three projections' input gradients on each rank, and the
 one reduce-scatter both adds them over the group and returns this rank's slice -- Megatron's
-sequence-parallel rule, instead of one all-reduce per projection; GPT2Attention takes all shapes from its fused ``c_attn``
-output, so its projection gathers the shard itself, overlapped with the GEMM.
+sequence-parallel rule, instead of one all-reduce per projection; GPT2Attention takes all shapes
+from its fused ``c_attn`` output, so its projection gathers the shard itself, overlapped with the
+GEMM.
 
 Parameters replicated across the TP group that see only the local shard's tokens (the norms inside
 the blocks) get partial gradients; ``sum_grad_over_group`` adds a hook that all-reduces them, so

@@ -57,7 +57,8 @@ class ShardSpec:
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
             t = torch.cat([t, t.new_zeros(pad)], dim=self.dim)
-        groups = t.split(list(self.sections), dim=self.dim) if self.sections else t.chunk(self.parts, dim=self.dim)
+        groups = (t.split(list(self.sections), dim=self.dim) if self.sections
+                  else t.chunk(self.parts, dim=self.dim))
         return torch.cat([g.chunk(self.chunks, dim=self.dim)[self.rank // self.replicas] for g in groups],
                          dim=self.dim)
 

@@ -28,12 +28,14 @@ import torch.nn as nn
 from .. import comm
 from ..fsdp import compose as fsdp_compose
 from ..layers import DistributedDataParallel
-from . import checks as checks_mod
-from . import context as cp_mod
-from . import moe as ep_mod
-from . import pipeline as pp_mod
-from . import plans as plans_mod
-from . import tensor_parallel as tp_mod
+from . import (
+    checks as checks_mod,
+    context as cp_mod,
+    moe as ep_mod,
+    pipeline as pp_mod,
+    plans as plans_mod,
+    tensor_parallel as tp_mod,
+)
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as DeviceMeshType

@@ -19,12 +19,24 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from .embedding import VocabParallelEmbedding, VocabParallelHead, embedding_scale, padded_vocab
 from .norms import ColumnShardedRMSNorm
 from .plans import (
-    ATTENTION_STYLES, HEAD_ATTRIBUTES, INTERLEAVED_QKV, LINEAR_STYLES, NORM_STYLES, SHARD_LOCAL_STYLES,
-    ResolvedPlan, is_attention_module, is_conv1d, style_of_param,
+    ATTENTION_STYLES,
+    HEAD_ATTRIBUTES,
+    INTERLEAVED_QKV,
+    LINEAR_STYLES,
+    NORM_STYLES,
+    SHARD_LOCAL_STYLES,
+    ResolvedPlan,
+    is_attention_module,
+    is_conv1d,
+    style_of_param,
 )
 from .sequence import (
-    LocalInputColumn, SequenceParallelColumn, SequenceParallelRow, gather_for_local_columns,
-    gather_from_sequence_shard, scatter_to_sequence_shard,
+    LocalInputColumn,
+    SequenceParallelColumn,
+    SequenceParallelRow,
+    gather_for_local_columns,
+    gather_from_sequence_shard,
+    scatter_to_sequence_shard,
     sum_grad_over_group,
 )
 from .shard import ShardSpec, sum_grad_over_replicas
@@ -415,7 +427,8 @@ class TensorParallel:
 
         def enter(module, args, kwargs):
             if "hidden_states" in kwargs:
-                return args, dict(kwargs, hidden_states=scatter_to_sequence_shard(kwargs["hidden_states"], pg))
+                shard = scatter_to_sequence_shard(kwargs["hidden_states"], pg)
+                return args, dict(kwargs, hidden_states=shard)
             return (scatter_to_sequence_shard(args[0], pg), *args[1:]), kwargs
 
         def leave(module, args, kwargs, output):

@@ -13,17 +13,25 @@ overlapped transfers), executor.py, schedules.py, errors.py (same error on every
 split-backward schedules), cost_orders.py (their orders from measured F, B, W times), costs.py
 (measuring those times and agreeing on them).
 """
+from .autosplit import PipelineSegment, Split, SplitReport, layer_units, split
 from .balance import even_starts, partition, stage_sums
 from .errors import PipelineError
 from .plan import PlanError, bubble_theory
-from .schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                        ScheduleInterleavedZeroBubble, ScheduleZBH1, ScheduleZBVZeroBubble)
-from .autosplit import PipelineSegment, Split, SplitReport, layer_units, split
+from .schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBH1,
+    ScheduleZBVZeroBubble,
+)
 from .stage import PipelineStage
 
 __all__ = [
     "PipelineError", "PipelineSegment", "PipelineStage", "PlanError", "Schedule1F1B",
     "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble", "ScheduleZBH1", "ScheduleZBVZeroBubble", "Split", "SplitReport", "bubble_theory",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBH1", "ScheduleZBVZeroBubble", "Split", "SplitReport",
+    "bubble_theory",
     "even_starts", "layer_units", "partition", "split", "stage_sums",
 ]

@@ -39,7 +39,14 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .actions import BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, stage_rank
 from .zero_bubble import (
-    Cost, Policy, _dependency, bubble_of, fixed_policy, list_schedule, replay, zero_bubble_orders,
+    Cost,
+    Policy,
+    _dependency,
+    bubble_of,
+    fixed_policy,
+    list_schedule,
+    replay,
+    zero_bubble_orders,
 )
 
 Costs = Tuple[Tuple[float, float, float], ...]  # per stage: F, B, W milliseconds

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .plan import stage_rank
 from ..comm.validate import SIG_LEN
+from .plan import stage_rank
 from .stage import Metas, PipelineStage, as_tuple, describe, metas_of, zeros
 
 _HEADER = comm.op_code("pipeline.activation_header")

@@ -46,7 +46,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .actions import (  # noqa: F401  (local_stages: re-exported with the rest of the vocabulary)
-    BACKWARD, FORWARD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, local_stages, rounds,
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    WEIGHT,
+    Action,
+    local_stages,
+    rounds,
     stage_rank,
 )
 from .cost_orders import Costs, measured_orders
@@ -319,11 +327,12 @@ def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: 
 
     With ``costs`` (measured F, B, W per stage) a split-backward schedule of a training step takes
     the first of ``cost_orders.measured_orders`` (best predicted first, the fixed order among them)
-    that has a deadlock-free plan. The compute order never depends on the backend. The plan posts receives ``lookahead`` actions
-    ahead where the simulator proves that safe; under grouped completion a receive posted early
-    holds back every later batch of its rank, so for some (schedule, p, v, m) a smaller lookahead
-    is taken (logged by the caller). Returns (orders, plans, lookahead used); raises ``PlanError``
-    if no lookahead down to 0 is safe (not seen for any p <= 6, v <= 4, m <= 16; see the tests).
+    that has a deadlock-free plan. The compute order never depends on the backend. The plan posts
+    receives ``lookahead`` actions ahead where the simulator proves that safe; under grouped
+    completion a receive posted early holds back every later batch of its rank, so for some
+    (schedule, p, v, m) a smaller lookahead is taken (logged by the caller). Returns (orders, plans,
+    lookahead used); raises ``PlanError`` if no lookahead down to 0 is safe (not seen for any p <=
+    6, v <= 4, m <= 16; see the tests).
     """
     if costs is not None and backward and schedule in SPLIT_BACKWARD:
         err = check_counts(schedule, p, v, m)

@@ -48,8 +48,15 @@ from .costs import CostMeter, agree_costs
 from .errors import agree_step, raise_if_any
 from .executor import StepRun
 from .p2p import Transport, completes_as_group
-from .plan import (DEFAULT_LOOKAHEAD, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_counts,
-                   choose_plan, local_stages)
+from .plan import (
+    DEFAULT_LOOKAHEAD,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    check_counts,
+    choose_plan,
+    local_stages,
+)
 from .stage import PipelineStage, describe
 
 MAX_ARGS = 4       # step arguments described in the per-step signature (more are allowed)

@@ -15,8 +15,9 @@ graph until the weight-gradient part W: split_backward.py), and validates what i
 
 With uneven microbatches (a batch that ``n_microbatches`` does not divide, split like
 ``torch.tensor_split``) the first ``n_large`` microbatches are one row larger than the others, so
-their activations may have two shapes; both are agreed by the metadata pass (meta.py). A constructor problem is recorded, not
-raised, so the schedule can report it on every rank at once (see errors.py).
+their activations may have two shapes; both are agreed by the metadata pass (meta.py). A constructor
+problem is recorded, not raised, so the schedule can report it on every rank at once (see
+errors.py).
 """
 from __future__ import annotations
 

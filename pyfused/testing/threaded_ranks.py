@@ -34,8 +34,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..comm.group import rank as group_rank
-from ..comm.group import world_size
+from ..comm.group import rank as group_rank, world_size
 from ..comm.symmetric import SymmetricBuffer
 from ..kernels.reduce_launch import WaitTimeout, new_status
 

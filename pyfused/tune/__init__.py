@@ -4,9 +4,7 @@
 every rank, lets rank 0 decide and writes the same entry on every rank into the cache that ``auto``
 reads (``pyfused.ops.tuned``, re-exported here: ``lookup``, ``store``, ``reload``, ...).
 """
-from ..ops.tuned import (  # noqa: F401  (the public names of the cache)
-    CacheError, Entry, cache_path, device_name, key, lookup, reload, store,
-)
+from ..ops.tuned import CacheError, Entry, cache_path, device_name, key, lookup, reload, store  # noqa: F401  (the public names of the cache)
 
 
 def __getattr__(name):

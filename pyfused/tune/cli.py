@@ -1,4 +1,5 @@
-"""``python -m pyfused.tune`` (its ``main``): tune the ops on the benchmark shapes and fill the cache ``auto`` reads.
+"""``python -m pyfused.tune`` (its ``main``): tune the ops on the benchmark shapes and fill the
+cache ``auto`` reads.
 
 Ranks are started as by ``python -m pyfused.bench`` (torchrun's, or torchrun's elastic launch from
 here: one per GPU with NCCL, 2 gloo ranks on CPU). Every rank writes the same entries to its cache
