@@ -18,9 +18,10 @@ after the resumed step were written again by the 4 ranks.
 
 Host 0 serves the rendezvous store (``is_host``), as the first node of a c10d rendezvous does; the
 store is not replicated, so losing host 0 ends the job (docs/MULTIHOST.md). A launch costs tens of
-seconds on the 2-core box (9 processes importing torch and transformers), so the default run strikes
-once (the kill); ``PYFUSED_FULL_FAULT_MATRIX=1`` adds the cut link and the frozen host, each of which
-waits out the group timeout. ``pytest -s`` prints the times.
+seconds on the 2-core box (9 processes importing torch and transformers, then 4 again), more than
+CI's 25-minute budget leaves, so the cases run with ``PYFUSED_FULL_FAULT_MATRIX=1``: the kill, the
+cut link and the frozen host, the last two waiting out the group timeout. ``pytest -s`` prints the
+times.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ MESH = re.compile(r"^mesh dp=(\d+) x pp=1 x tp=\d+ \(world (\d+).*?(?:starting a
 
 
 @pytest.mark.parametrize("case", [
-    "kill",
+    pytest.param("kill", marks=pytest.mark.skipif(
+        not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to kill a host of an elastic 3-host job "
+                         "(2-3 minutes on 2 cores: over CI's time budget)")),
     pytest.param("cut", marks=pytest.mark.skipif(
         not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to cut a host's link (waits out the "
                          "group timeout)")),

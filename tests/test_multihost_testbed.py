@@ -10,6 +10,7 @@ one process, HSDP on the host mesh matching torch FSDP2's bit for bit, and the m
 at its quick sizes (its timings are not asserted).
 The two-host bed's links are shaped (10 Gbit/s), so the launch crosses the qdisc.
 """
+import os
 import socket
 import subprocess
 
@@ -65,6 +66,9 @@ def test_links_are_shaped(bed2):
         assert bed2.shaper in shown and "10Gbit" in shown, shown
 
 
+@pytest.mark.skipif(os.environ.get("PYFUSED_FULL_FAULT_MATRIX") != "1",
+                    reason="set PYFUSED_FULL_FAULT_MATRIX=1 to launch 3 hosts as well (the 2-host launch "
+                           "covers the same checks; a third costs about 40 s of CI's time budget)")
 def test_three_hosts_under_torchrun(tmp_path):
     with M.testbed(3, log_dir=tmp_path) as bed:
         out = M.run_checks(bed, ["layout", "ddp"], tmp_path / "out")
