@@ -20,7 +20,7 @@ import torch
 
 from tests import test_parallelize_mesh as M
 from tests.test_parallelize import SEQ, VOCAB, build
-from tests.utils import assert_close
+from tests.utils import assert_close, long_test
 
 pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers")
 
@@ -166,6 +166,7 @@ def _three_d_mesh(rank, world):
 
 
 @pytest.mark.slow
+@long_test("fsdp x pp x tp at world 8 (8 processes on the CPU)")
 def test_fsdp_x_pipeline_x_tensor_parallel_at_world_8():
     from tests.dist_pool import RankPool
 

@@ -8,6 +8,7 @@ covers uneven hosts and an odd number of ranks per host (padding to a multiple o
 """
 import pytest
 
+from benchmarks import multihost_testbed as mt
 from tests import multihost_checks as C
 
 TIMEOUT = 90
@@ -172,6 +173,9 @@ STEP_ROWS = [("torch-ddp", "4", "torch-ddp"), ("pyfused ddp", "4", "torch-ddp"),
              ("pyfused hsdp", "2x2", "torch-fsdp2 hsdp")]
 
 
+@pytest.mark.skipif(mt.unavailable_reason() is None,
+                    reason="the namespace test bed is available: the same suite runs there on real "
+                           "hosts (tests/test_multihost_testbed.py::test_two_hosts_under_torchrun)")
 def test_bench_suite_on_two_hosts_has_every_row(ranks):
     # the suite's checks run (equal sums, equal losses after one step); its timings are not asserted
     out = ranks.run(4, _with_fake_hosts, 2, C.bench_rows, timeout=3 * TIMEOUT)

@@ -7,6 +7,7 @@ magnitude of its outputs, not of each element.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import torch
@@ -64,3 +65,13 @@ def test_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def long_test(what: str):
+    """Mark a test that costs more of CI's 25-minute budget (2 cores) than it adds: it runs with
+    ``PYFUSED_LONG_TESTS=1`` and is skipped, saying so, otherwise."""
+    import pytest
+
+    return pytest.mark.skipif(os.environ.get("PYFUSED_LONG_TESTS") != "1",
+                              reason=f"set PYFUSED_LONG_TESTS=1 to run {what} (over CI's time budget)")
+
