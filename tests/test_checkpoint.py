@@ -141,20 +141,26 @@ def _load_zero(rank, world, path, resaved, saved, losses):
     return True
 
 
-def _plain_losses(path, full, family="llama"):
-    """Load the checkpoint into the plain model (DCP in one process) and train the next steps."""
+def load_into_plain_model(path, model, opt) -> dict:
+    """Load a checkpoint saved by ``checkpoint.save`` into the plain model and its optimizer (DCP
+    in this process, no process group); returns the saved ``extra``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    overrides = MODEL if family == "llama" else {"vocab_size": MODEL["vocab_size"]}
-    model = build(family, seed=1, **overrides)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
              "extra": {"step": 0}}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
-    assert state["extra"] == {"step": SAVED_AT}
+    return state["extra"]
+
+
+def _plain_losses(path, full, family="llama"):
+    """Load the checkpoint into the plain model (DCP in one process) and train the next steps."""
+    overrides = MODEL if family == "llama" else {"vocab_size": MODEL["vocab_size"]}
+    model = build(family, seed=1, **overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert load_into_plain_model(path, model, opt) == {"step": SAVED_AT}
     for k, v in model.state_dict().items():
         assert torch.equal(v, full[k]), k
     got = []

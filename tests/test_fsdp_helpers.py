@@ -139,3 +139,20 @@ def reference_training(name: str, steps: int, micro: int, rows: int, max_norm: f
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def unshard_growth(model: nn.Module, unit: nn.Module) -> int:
+    """Bytes that gathering ``unit`` (a resharded fully_shard unit of ``model``) adds, by torch's
+    MemTracker tracking ``model``: its all-gather output and its gathered parameters, if nothing
+    else is held."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        before = max(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+        unit.unshard()
+        peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    unit.reshard()
+    return peak - before
+

@@ -155,7 +155,6 @@ def _buffers_against_fsdp2(rank, world):
     column): the sharded gradients' storage, the same model trained one step by pyfused and by torch
     FSDP2 in the same process group, is at most FSDP2's; and gathering a unit holds its all-gather
     output and its gathered parameters, no separate all-gather input (torch's MemTracker)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from pyfused.benchmarks import bench_fsdp
@@ -178,15 +177,9 @@ def _buffers_against_fsdp2(rank, world):
     assert grads["pyfused"] <= grads["torch"], ("gradient storage", grads)
 
     group = model.blocks[1]._pyfused_fsdp.group
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        before = max(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
-        model.blocks[1].unshard()
-        peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-    model.blocks[1].reshard()
+    growth = H.unshard_growth(model, model.blocks[1])
     all_gather_output = world * group.shard_numel * 4
-    assert peak - before == all_gather_output + group.leaf_nbytes, (peak - before, group.leaf_nbytes)
+    assert growth == all_gather_output + group.leaf_nbytes, (growth, group.leaf_nbytes)
     return True
 
 

@@ -228,8 +228,6 @@ def _memory_against_fsdp2(rank, world):
     release buffers: the bench's ``peak_MB`` column): after one step of the same model, pyfused's
     parameter shards and sharded gradients take at most FSDP2's storage; gathering a unit holds the
     all-gather output (S x the unit's padded shard) and the gathered parameters, nothing else."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from pyfused.benchmarks import bench_fsdp
 
     mesh = _mesh((2, 2))
@@ -251,15 +249,9 @@ def _memory_against_fsdp2(rank, world):
         assert storage["pyfused", what] <= storage["torch-fsdp2", what], (what, storage)
 
     group = model.blocks[1]._pyfused_fsdp.group
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        before = max(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
-        model.blocks[1].unshard()
-        peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-    model.blocks[1].reshard()
+    growth = H.unshard_growth(model, model.blocks[1])
     assert group.world == 2 and group.replicas == 2
-    assert peak - before == group.world * group.shard_numel * 4 + group.leaf_nbytes, peak - before
+    assert growth == group.world * group.shard_numel * 4 + group.leaf_nbytes, growth
     return True
 
 

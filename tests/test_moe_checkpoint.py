@@ -74,19 +74,12 @@ def _save_then_load(rank, world, path):
 def _plain_step(path, saved):
     """Load into the plain model (DCP in this process) and run the next step on data rank 0's
     batch alone: its loss is the forward before the update, so it needs the parameters only."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     from tests.moe_models import batch, build
+    from tests.test_checkpoint import load_into_plain_model
 
     model = build("mixtral", seed=1, experts=EXPERTS)
     opt = _optimizer(model)
-    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
-             "extra": {"step": 0}}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    assert state["extra"] == {"step": SAVED_AT}
+    assert load_into_plain_model(path, model, opt) == {"step": SAVED_AT}
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), f"{k} in the plain model"
     momentum = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
