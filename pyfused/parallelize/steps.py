@@ -100,7 +100,8 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
     Checked in this order, each only when everything before passed: the mesh's dims, the plan
     (``"auto"`` picks the family from ``config.model_type``; every parameter covered), what tensor
     parallelism needs (every sharded size divisible, fused layouts, the sequence-parallel region),
-    what the pipeline needs (pp > 1), ``dp``, and no pipeline options without a pp dim. The mesh's
+    what expert parallelism needs (ep > 1), what the pipeline needs (pp > 1), what context
+    parallelism needs (cp > 1), ``dp`` and its mesh dims, and no pipeline options without a pp dim. The mesh's
     dims are None when the mesh is unusable, the plan when it does not resolve."""
     problem = mesh_problem(mesh)
     if problem is not None:
