@@ -17,6 +17,10 @@ Design (after torch DDP's C++ reducer; see docs/DDP.md):
   is three collectives (inside the host, across hosts, inside the host); each bucket launch first
   moves the earlier buckets' reductions one collective on (``PipelinedHostAllReduce``), so every
   group sees the same order on every rank, and the end of backward completes them in order.
+* In-place buckets (CPU, ``in_place_bytes``): a gradient of at least 1 MiB has a bucket of its
+  own, and its collective runs on ``.grad`` itself, multiplied by 1/world in place first: no copy
+  into a bucket and none back. On CPU those two copies cost more than the extra collective's
+  launch (docs/DDP.md, "In-place gradients", has the figures).
 * ``_finalize`` (end of backward): launches whatever is left in order (gradients that never arrived
   count as zeros, so the ranks' collectives still match), waits for the outstanding collectives and
   writes the averages back into ``.grad`` (or hands shards to the sharded optimizer). A small status
@@ -62,13 +66,31 @@ from .status import StatusExchange
 
 # What a failed collective of the backward's reduction is reported as (pyfused.comm.faults).
 FINALIZE = "DistributedDataParallel backward (gradient bucket reduction)"
+# From this size on a CPU gradient is reduced in place (module docstring).
+IN_PLACE_BYTES_CPU = 1 << 20
+
+
+def in_place_bytes(device: torch.device, *, comm_dtype: Optional[torch.dtype], find_unused: bool,
+                   as_view: bool, sharded: bool, hierarchical: bool) -> Optional[int]:
+    """The size from which a gradient is reduced in place (its own bucket, the collective on
+    ``.grad`` itself), or None where every gradient goes through a bucket buffer.
+
+    Only on CPU: there a copy into the bucket and back costs more than one more collective's
+    launch; on a GPU the copies are cheap against a collective's latency. Not with a comm dtype
+    (the bucket casts), ``find_unused_parameters`` (a parameter unused on every rank keeps its
+    ``.grad`` untouched), gradient views (the bucket is the gradient already), a sharded optimizer
+    (reduce-scatter into a shard) or the host-aware all-reduce (pieces of a padded buffer)."""
+    if device.type != "cpu" or comm_dtype is not None or find_unused or as_view or sharded \
+            or hierarchical:
+        return None
+    return IN_PLACE_BYTES_CPU
 
 
 class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  buckets: List[Bucket], pg, device: torch.device, *, comm_dtype: Optional[torch.dtype],
                  find_unused: bool, as_view: bool, sharded: bool,
-                 host_reduce: Optional[HostAllReduce] = None):
+                 host_reduce: Optional[HostAllReduce] = None, in_place_bytes: Optional[int] = None):
         self.params = list(params)
         self.names = list(names)
         self.buckets = buckets
@@ -85,6 +107,7 @@ class Reducer:
         self.host_reduce = (PipelinedHostAllReduce(host_reduce)
                             if host_reduce is not None and not sharded and pg is not None else None)
         self.pad_multiple = host_reduce.ranks_per_host if self.host_reduce is not None else 1
+        self.in_place_bytes = in_place_bytes  # the assignment's ``own_bytes`` (buckets.py)
         n = len(self.params)
         self._index_slots()
         self.on_shard_reduced: Optional[Callable[[Bucket, set], None]] = None  # set by ShardedState
@@ -132,6 +155,10 @@ class Reducer:
         dev = self.device
         for b in self.buckets:
             cdt = self._comm_dtype_of(b)
+            b.extra["in_place"] = (self.in_place_bytes is not None and len(b.slots) == 1
+                                   and b.numel * b.dtype.itemsize >= self.in_place_bytes)
+            if b.extra["in_place"]:
+                continue  # the gradient is the buffer
             if self.sharded:
                 b.extra["shard_out"] = torch.zeros(b.shard, dtype=cdt, device=dev)
             elif self.as_view:
@@ -242,7 +269,7 @@ class Reducer:
         b, k = self.loc[i]
         if self.as_view:
             self._grad_into_view(i, b.extra["views"][k])
-        if "plan" not in b.extra:
+        if "plan" not in b.extra and not b.extra["in_place"]:
             self._copy_slot(b, k)
         b.pending -= 1
         if b.pending == 0:
@@ -302,7 +329,9 @@ class Reducer:
         cdt = self._comm_dtype_of(b)
         plan = b.extra.get("plan")
         with torch.no_grad(), comm.on_comm_stream(self.device) as stream:
-            if plan is None:  # torch path: every slot was copied by _copy_slot already
+            if b.extra["in_place"]:
+                buf = self._in_place_input(b, stream)
+            elif plan is None:  # torch path: every slot was copied by _copy_slot already
                 buf = b.comm_in if self.sharded else b.extra["comm_buf"]
             elif self.as_view:
                 grad_buf, comm_buf = b.extra["grad_buf"], b.extra["comm_buf"]
@@ -344,6 +373,22 @@ class Reducer:
             self._reap()
         if self.on_bucket_launched is not None:
             self.on_bucket_launched(b)
+
+    def _in_place_input(self, b: Bucket, stream) -> Tensor:
+        """An in-place bucket's collective buffer: its gradient itself, times 1/world; a transient
+        copy where the gradient cannot be (missing, strided otherwise, another dtype)."""
+        s = b.slots[0]
+        g = self.params[s.param].grad
+        if g is not None and g.dtype == b.dtype and g.layout == torch.strided and g.is_contiguous():
+            g.mul_(self.scale)
+            comm.keep_alive(g, stream)
+            return g
+        buf = torch.empty(s.shape, dtype=b.dtype, device=self.device)
+        if g is None:
+            buf.zero_()
+        else:
+            torch.mul(g.to(b.dtype), self.scale, out=buf)
+        return buf
 
     def _reap(self) -> None:
         """Drop the inputs of reduce-scatters that already finished (ZeRO-2: the flattened full
@@ -392,6 +437,13 @@ class Reducer:
         with torch.no_grad():
             if self.sharded:
                 self.on_shard_reduced(b, unused)
+            elif b.extra["in_place"]:
+                p = self.params[b.slots[0].param]
+                if b.comm_in is not p.grad:  # reduced in a transient copy (_in_place_input)
+                    if p.grad is None:
+                        p.grad = b.comm_in
+                    else:
+                        p.grad.copy_(b.comm_in)
             elif self.as_view:
                 if b.extra["comm_buf"] is not b.extra["grad_buf"]:
                     b.extra["grad_buf"].copy_(b.extra["comm_buf"])
@@ -439,7 +491,8 @@ class Reducer:
         if not order or order[0] < 0:
             return
         current = [s.param for b in self.buckets for s in b.slots]
-        indices = _buckets.assign(list(enumerate(self.params)), caps[0], caps[1], order=order)
+        indices = _buckets.assign(list(enumerate(self.params)), caps[0], caps[1], order=order,
+                                  own_bytes=self.in_place_bytes)
         if [i for members in indices for i in members] == current:
             return
         old_views = {s.param: b.extra["views"][k] for b in self.buckets if "views" in b.extra

@@ -37,7 +37,7 @@ from torch import nn
 from .. import comm
 from ..dp import buckets as _buckets, reduction
 from ..dp.checks import agree_module, broadcast_coalesced
-from ..dp.reducer import Reducer
+from ..dp.reducer import Reducer, in_place_bytes
 from ..dp.sharded import ShardedState
 
 
@@ -83,7 +83,12 @@ class DistributedDataParallel(nn.Module):
         params = [p for _, p in trainable]
         self.device = params[0].device
         first_cap = min(cap_bytes, _buckets.FIRST_BUCKET_BYTES)
-        indices = _buckets.assign(list(enumerate(params)), cap_bytes, first_cap)
+        own_bytes = in_place_bytes(self.device, comm_dtype=comm_dtype,
+                                   find_unused=find_unused_parameters,
+                                   as_view=gradient_as_bucket_view, sharded=shard_optimizer,
+                                   hierarchical=self.all_reduce.reduce is not None)
+        indices = _buckets.assign(list(enumerate(params)), cap_bytes, first_cap,
+                                  own_bytes=own_bytes)
         world = comm.world_size(pg)
         self._bucket_list = _buckets.build(params, indices, world, shard_optimizer,
                                            self.all_reduce.ranks_per_host)
@@ -91,7 +96,7 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(params, self._param_names, self._bucket_list, pg, self.device,
                                comm_dtype=comm_dtype, find_unused=find_unused_parameters,
                                as_view=gradient_as_bucket_view, sharded=shard_optimizer,
-                               host_reduce=self.all_reduce.reduce)
+                               host_reduce=self.all_reduce.reduce, in_place_bytes=own_bytes)
         self.reducer.enable_rebuild(cap_bytes, first_cap)
         self._sharded: Optional[ShardedState] = None
         if shard_optimizer:
@@ -164,9 +169,11 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ introspection
     def bucket_info(self):
-        """Per bucket: parameter names, elements, padded length, shard length, dtype."""
+        """Per bucket: parameter names, elements, padded length, shard length, dtype, and whether
+        its collective runs on the gradient itself (``in_place``)."""
         return [dict(index=b.index, params=[self._param_names[s.param] for s in b.slots],
-                     numel=b.numel, padded=b.padded, shard=b.shard, dtype=b.dtype)
+                     numel=b.numel, padded=b.padded, shard=b.shard, dtype=b.dtype,
+                     in_place=b.extra.get("in_place", False))
                 for b in self.reducer.buckets]
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
