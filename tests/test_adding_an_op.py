@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pyfused import _ext, comm
 from pyfused.ops import _common, _hooks
-from pyfused.ops._dispatch import dispatcher
+from pyfused.ops._dispatch import dispatched
 from pyfused.ops.matmul_all_reduce import chunked_matmul_all_reduce
 from pyfused.ops.registry import FUSED_HOOKS, HOOKS, OPS, OpSpec, registered
 from tests import test_one_rank_wrong, test_ops_properties, test_plan_cache
@@ -100,11 +100,9 @@ def _registered(plan, group, method, chunks, a, b):
     return out.view(*a.shape[:-1], b.shape[1])
 
 
-_dispatch = dispatcher(TOY.code, _plan, _local, _direct, _registered)
-
-
+@dispatched(TOY.code, _plan, _local, _direct, _registered)
 def toy_scaled_matmul_all_reduce(a, b, group=None, *, method="auto", chunks=0):
-    return _dispatch(group, method, chunks, a, b)
+    """``all_reduce(SCALE * a @ b)`` over ``group``."""
 
 
 def make_inputs(world, rows, n, k, dtype=torch.float32, device="cpu", seed=0):

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, _fused, _hooks
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .registry import OPS
 
 OP = "all_gather_matmul"
@@ -164,12 +164,9 @@ def _registered(plan, group, method, a, b) -> Tensor:
     return out if a.dim() == 2 else out.view(plan.world * a.shape[0], *a.shape[1:-1], b.shape[1])
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def all_gather_matmul(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``all_gather(a, dim=0) @ b`` over ``group``; see the module docstring."""
-    return _dispatch(group, method, a, b)
 
 
 # ---------------------------------------------------------------------------------------------

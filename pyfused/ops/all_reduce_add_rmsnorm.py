@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, _fused, _hooks
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .registry import OPS
 
 OP = "all_reduce_add_rmsnorm"
@@ -277,14 +277,11 @@ def _registered(plan, group, method, chunks, eps, x, residual, weight) -> Tuple[
     return (normed, new_residual) if flat else (normed.view(x.shape), new_residual.view(x.shape))
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def all_reduce_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, group=None,
                            *, method: str = "auto", chunks: int = 0) -> Tuple[Tensor, Tensor]:
     """``(RMSNorm(all_reduce(x) + residual) * weight, all_reduce(x) + residual)`` over ``group``;
     see the module docstring. ``chunks``: row pieces of the decomposed method (0: tuned/default)."""
-    return _dispatch(group, method, chunks, eps, x, residual, weight)
 
 
 # ---------------------------------------------------------------------------------------------

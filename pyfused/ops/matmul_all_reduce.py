@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, _fused, _hooks
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .registry import OPS
 
 OP = "matmul_all_reduce"
@@ -125,14 +125,11 @@ def _registered(plan, group, method, chunks, a, b) -> Tensor:
     return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def matmul_all_reduce(a: Tensor, b: Tensor, group=None, *, method: str = "auto",
                       chunks: int = 0) -> Tensor:
     """``all_reduce(a @ b)`` (sum) over ``group``; ``chunks`` (decomposed only, 0 = tuned/default)
     sets how many row pieces overlap their all-reduce with the next GEMM."""
-    return _dispatch(group, method, chunks, a, b)
 
 
 # ---------------------------------------------------------------------------------------------

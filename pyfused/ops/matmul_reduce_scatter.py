@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, _fused, _hooks
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .registry import OPS
 
 OP = "matmul_reduce_scatter"
@@ -144,12 +144,9 @@ def _registered(plan, group, method, a, b) -> Tensor:
     return out if a.dim() == 2 else out.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, *, method: str = "auto") -> Tensor:
     """``reduce_scatter(a @ b, dim=0)`` (sum) over ``group``; see the module docstring."""
-    return _dispatch(group, method, a, b)
 
 
 # ---------------------------------------------------------------------------------------------

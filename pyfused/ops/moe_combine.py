@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, moe_exchange
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .moe_dispatch import (
     _ABSENT,
     EXPERTS_PER_RANK,
@@ -280,7 +280,7 @@ def prepare(y, topk_weights, topk_idx, layout, weight, group, method):
 
 
 # ---------------------------------------------------------------------------------------------
-# The functional op: one call of the shared dispatcher (pyfused/ops/_dispatch.py)
+# The functional op, made by the shared dispatch path (pyfused/ops/_dispatch.py)
 
 def _plan(group, method, y, topk_weights, topk_idx, layout, weight) -> _common.Plan:
     if torch.compiler.is_compiling():
@@ -317,14 +317,11 @@ def _registered(plan, group, method, y, topk_weights, topk_idx, layout, weight):
     return _shaped(out, topk_idx)
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def moe_combine(y: Tensor, topk_weights: Optional[Tensor], topk_idx: Tensor, layout: Tensor,
                 weight: Optional[Tensor] = None, group=None, *, method: str = "auto") -> Tensor:
     """Each token's k expert outputs (``y`` times ``weight``, if given), back on this rank and
     summed with ``topk_weights`` (None: unweighted); see the module docstring."""
-    return _dispatch(group, method, y, topk_weights, topk_idx, layout, weight)
 
 
 # ---------------------------------------------------------------------------------------------

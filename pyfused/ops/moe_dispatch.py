@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import comm
 from . import _common, moe_exchange
-from ._dispatch import dispatcher
+from ._dispatch import dispatched
 from .moe_exchange import Routing
 from .moe_grouped_mm import grouped_mm, grouped_weight_grad
 from .registry import OPS
@@ -321,7 +321,7 @@ def auto_preference(pg, tensors, fused_ok: bool) -> _common.Choice:
 
 
 # ---------------------------------------------------------------------------------------------
-# The functional op: one call of the shared dispatcher (pyfused/ops/_dispatch.py)
+# The functional op, made by the shared dispatch path (pyfused/ops/_dispatch.py)
 
 def _experts(num_experts: int, weight: Optional[Tensor], world: int) -> int:
     return num_experts or (0 if weight is None else weight.shape[0] * world)
@@ -364,14 +364,11 @@ def _registered(plan, group, method, num_experts, x, topk_idx, weight):
     return out, layout
 
 
-_dispatch = dispatcher(_CODE, _plan, _local, _direct, _registered)
-
-
+@dispatched(_CODE, _plan, _local, _direct, _registered)
 def moe_dispatch(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor] = None, group=None, *,
                  num_experts: int = 0, method: str = "auto") -> Tuple[Tensor, Tensor]:
     """(out, layout): the tokens each local expert received (times ``weight``, if given), in
     expert-major order, and where they came from; see the module docstring."""
-    return _dispatch(group, method, num_experts, x, topk_idx, weight)
 
 
 # ---------------------------------------------------------------------------------------------
