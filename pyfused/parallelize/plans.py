@@ -344,7 +344,7 @@ def _check_module_type(name: str, module: nn.Module, style: str) -> None:
     if style == "experts":
         from ..layers.moe import REFUSALS, describe
 
-        code = describe(module)[0]
+        code = describe(module).refusal
         if code:
             raise PlanError(f"{name!r} ({cls}) {REFUSALS[code]}; style 'experts' cannot shard it")
 
