@@ -12,7 +12,7 @@ differences of summing experts' rows in another order into visible ones where a 
 Bad meshes and families plan="auto" cannot do exactly raise the same error on every rank.
 
 Grids are cut to what covers each path once (each body loops over its families, so a pool and the
-transformers import are paid once per world size): ep=2 for the five families, ep=3 (odd),
+transformers import are paid once per world size): ep=2 for the six families, ep=3 (odd),
 dp=2 x ep=2, ep=2 x tp=2 with sequence parallelism; PYFUSED_FULL_MOE_MATRIX=1 adds ep=4 (one
 expert per rank), tp without sequence parallelism and a second family where a body has one.
 """
@@ -74,7 +74,7 @@ def _train(rank, world, families, dims, shape, sp=True, experts=4, steps=STEPS):
     return True
 
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def test_ep2_every_family(ranks):
@@ -122,7 +122,6 @@ def _refused(rank, world, family, dims, shape, experts):
 
 
 REFUSED = {  # case: (family, dims, shape, experts, text)
-    "gpt-oss": ("gpt_oss", ("ep",), (2,), 4, "cannot parallelize GptOssForCausalLM (gpt_oss)"),
     "no experts": ("llama", ("ep",), (2,), 4, "the plan names no experts module"),
     "indivisible": ("mixtral", ("ep",), (3,), 4, "4 experts are not divisible by the expert-"),
     "with pp": ("mixtral", ("pp", "ep"), (2, 2), 4, "with pipeline parallelism (pp > 1)"),

@@ -30,8 +30,6 @@ from ..layers.moe import ExpertParallelExperts
 from .plans import ResolvedPlan
 from .shard import ShardSpec
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-
 
 def _experts(model: nn.Module, resolved: ResolvedPlan) -> List[str]:
     modules = dict(model.named_modules())
@@ -68,7 +66,7 @@ def apply(model: nn.Module, resolved: ResolvedPlan, pg, ep: int, rank: int, over
     for name in _experts(model, resolved):
         module = model.get_submodule(name)
         layer = ExpertParallelExperts(module, pg, method=overlap)
-        for attr in EXPERT_PARAMETERS:
+        for attr in layer.variant.parameters:  # the weights, and gpt-oss's biases
             full = tuple(getattr(module, attr).shape)
             specs[id(getattr(layer, attr))] = ShardSpec(full, dim=0, world=ep, rank=rank, group=pg)
         parent, _, child = name.rpartition(".")
