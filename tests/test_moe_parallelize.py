@@ -13,8 +13,9 @@ Bad meshes and families plan="auto" cannot do exactly raise the same error on ev
 
 Grids are cut to what covers each path once (each body loops over its families, so a pool and the
 transformers import are paid once per world size): ep=2 for the six families, ep=3 (odd),
-dp=2 x ep=2, ep=2 x tp=2 with sequence parallelism; PYFUSED_FULL_MOE_MATRIX=1 adds ep=4 (one
-expert per rank), tp without sequence parallelism and a second family where a body has one.
+dp=2 x ep=2 with dp="ddp" and with dp="fsdp", ep=2 x tp=2 with sequence parallelism;
+PYFUSED_FULL_MOE_MATRIX=1 adds ep=4 (one expert per rank), ep=2 with dp="fsdp" and no dp dim, tp
+without sequence parallelism and a second family where a body has one.
 """
 import pytest
 import torch
@@ -32,8 +33,9 @@ def _data_rank(info) -> int:
     return info.coord["dp"] * info.size["ep"] + info.coord["ep"]
 
 
-def _train(rank, world, families, dims, shape, sp=True, experts=4, steps=STEPS):
-    """``steps`` SGD steps of each family on a mesh ``dims`` x ``shape`` against the reference."""
+def _train(rank, world, families, dims, shape, sp=True, experts=4, steps=STEPS, dp="ddp"):
+    """``steps`` SGD steps of each family on a mesh ``dims`` x ``shape`` against the reference,
+    with data parallelism ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
@@ -41,12 +43,13 @@ def _train(rank, world, families, dims, shape, sp=True, experts=4, steps=STEPS):
 
     for family in families:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-        pm = pyfused.parallelize(build(family, experts=experts), mesh, sequence_parallel=sp)
+        pm = pyfused.parallelize(build(family, experts=experts), mesh, sequence_parallel=sp,
+                                 dp=dp)
         ref = build(family, experts=experts)
         data_ranks = pm.mesh_info.size["dp"] * pm.mesh_info.size["ep"]
         opt = torch.optim.SGD(pm.parameters(), lr=0.5, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-        tag = f"{family} mesh {dict(zip(dims, shape))} sp={sp} rank {rank}"
+        tag = f"{family} mesh {dict(zip(dims, shape))} sp={sp} dp={dp} rank {rank}"
         for step in range(steps):
             batches = [batch(seed=100 * step + d, seq=8) for d in range(data_ranks)]
             ids, labels = batches[_data_rank(pm.mesh_info)]
@@ -90,6 +93,14 @@ def test_ep3_and_ep4(ranks):
 
 def test_dp_and_ep_share_ranks(ranks):
     assert all(ranks.run(4, _train, ("qwen2_moe",), ("dp", "ep"), (2, 2), timeout=TIMEOUT))
+
+
+def test_fully_sharded_dp_and_ep(ranks):
+    """dp="fsdp": the experts sharded over dp (their own units), the rest over dp x ep."""
+    assert all(ranks.run(4, _train, ("gpt_oss",), ("dp", "ep"), (2, 2), dp="fsdp",
+                         timeout=TIMEOUT))
+    if moe_checks.FULL_MATRIX:  # no dp dim: the rest sharded over ep, the experts whole
+        assert all(ranks.run(2, _train, ("mixtral",), ("ep",), (2,), dp="fsdp", timeout=TIMEOUT))
 
 
 @pytest.mark.parametrize("sp", moe_checks.grid([True, False], [True]))
