@@ -1,5 +1,6 @@
-"""The ``moe`` suite: an expert-parallel MoE block, each pyfused method against what a torch user
-writes today, in the same run; and the body of the two op suites (``moe_dispatch``,
+"""The ``moe`` suite: an expert-parallel MoE block and a small Mixtral's training step
+(``moe_model_step.py``), each pyfused method against what a torch user writes today
+(``moe_reference.py``), in the same run; and the body of the two op suites (``moe_dispatch``,
 ``moe_combine``: ``op_suite``).
 
 The block, on every rank of the group (expert parallelism over all of them): T tokens of width H,
@@ -18,7 +19,7 @@ choices go to expert 0), ``empty`` (expert 1 gets no token). Per case every vari
 round-robin (``interleaved_samples``: iteration i of every variant before iteration i+1 of any,
 each iteration the slowest rank's time); a row reports the median time, tokens/s (all ranks'
 tokens per second) and ``vs_torch``: the median over iterations of torch's time / the method's
-time in the same iteration (paired, as the overhead suite does). ``timeline_png``: one decomposed
+time in the same iteration (``paired_speedup``, as the overhead suite does). ``timeline_png``: one decomposed
 step of the uniform case, every rank's count exchanges, transfer waits, GEMMs and weighted sums
 (``pyfused.ops.moe_exchange.recording``), drawn on rank 0 (skipped, with a note, without
 matplotlib).
@@ -31,12 +32,14 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pyfused import comm
-from pyfused.bench.harness import BenchContext, interleaved_samples, metadata, op_row
+from pyfused.bench.harness import BenchContext, interleaved_samples, metadata, op_row, paired_speedup
 from pyfused.ops import MethodUnavailable, moe_combine, moe_dispatch
 from pyfused.ops.registry import OPS
+
+from . import moe_model_step
+from .moe_reference import swiglu, torch_user_moe
 
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
@@ -50,11 +53,6 @@ ROUTINGS = ("uniform", "hot", "empty")
 OP_SHAPES = {"cpu": [(256, 256, 256), (1024, 512, 1024)], "cuda": [(4096, 4096, 2048)]}
 
 
-def paired_ratio(base: List[float], mine: List[float]) -> float:
-    """Median over iterations of base / mine, each pair from the same iteration."""
-    return statistics.median(b / m for b, m in zip(base, mine))
-
-
 def _routing(case: str, tokens: int, experts: int, gen: torch.Generator) -> torch.Tensor:
     scores = torch.rand(tokens, experts, generator=gen)
     if case == "hot":  # expert 0 first for half of the tokens: half of all choices
@@ -64,43 +62,9 @@ def _routing(case: str, tokens: int, experts: int, gen: torch.Generator) -> torc
     return scores.topk(TOPK, dim=1).indices
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _torch_block(x, idx, gates, gate_up, down, pg):
-    """The block as a torch user writes it (module docstring)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
-    world, local = comm.world_size(pg), gate_up.shape[0]
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=world * local)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=pg)
-    send = counts.view(world, local).sum(1).tolist()
-    table = received.view(world, local).tolist()
-    recv = [sum(row) for row in table]
-    moved = all_to_all_single(x.new_empty((sum(recv), x.shape[1])), x[order // k], recv, send,
-                              group=pg)
-    blocks = moved.split([c for row in table for c in row])
-    outs = [None] * (world * local)
-    for j in range(local):
-        rows = torch.cat([blocks[s * local + j] for s in range(world)])
-        done = _swiglu(rows @ gate_up[j]) @ down[j]
-        for s, piece in enumerate(done.split([table[s][j] for s in range(world)])):
-            outs[s * local + j] = piece
-    back = all_to_all_single(x.new_empty((len(flat), x.shape[1])), torch.cat(outs), send, recv,
-                             group=pg)
-    pairs = torch.empty_like(back).index_copy(0, order, back)
-    return (pairs.view(-1, k, x.shape[1]) * gates.unsqueeze(-1)).sum(1)
-
-
 def _pyfused_block(x, idx, gates, gate_up, down, pg, method):
     h, layout = moe_dispatch(x, idx, gate_up, pg, method=method)
-    return moe_combine(_swiglu(h), gates, idx, layout, down, pg, method=method)
+    return moe_combine(swiglu(h), gates, idx, layout, down, pg, method=method)
 
 
 def _step(block: Callable, leaves, grad):
@@ -126,8 +90,8 @@ def _block_rows(ctx: BenchContext, shape, case: str, out_dir: Path) -> List[Dict
     grad = torch.randn(tokens, hidden, generator=gen).to(dev, dt)
     leaves = (x, gates, gate_up, down)
     args = (x, idx, gates, gate_up, down, pg)
-    fns = {"torch": _step(lambda: _torch_block(*args), leaves, grad)}
-    reference = _torch_block(*args).detach()
+    fns = {"torch": _step(lambda: torch_user_moe(*args), leaves, grad)}
+    reference = torch_user_moe(*args).detach()
     unavailable = {}
     for method in METHODS:
         try:
@@ -148,7 +112,7 @@ def _block_rows(ctx: BenchContext, shape, case: str, out_dir: Path) -> List[Dict
                                note=unavailable[name], **common))
             continue
         ms = statistics.median(samples[name])
-        ratio = paired_ratio(samples["torch"], samples[name])
+        ratio = paired_speedup(samples["torch"], samples[name])
         rows.append(op_row(ctx, method=name, ms=ms, tokens_per_s=tokens * world / (ms * 1e-3),
                            vs_torch=ratio, note="all_to_all_single + a loop over experts"
                            if name == "torch" else f"x{ratio:.2f} of torch (paired)", **common))
@@ -241,7 +205,7 @@ def run(ctx: BenchContext) -> List[Dict]:
     timeline = _timeline(ctx, shapes[-1], out_dir)
     for row in rows:
         row.update(timeline)
-    return rows
+    return rows + moe_model_step.model_rows(ctx, METHODS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,5 +242,5 @@ def op_suite(ctx: BenchContext, op: str) -> List[Dict]:
             ms = statistics.median(samples[name])
             rows.append(op_row(ctx, method=name, ms=ms,
                                tokens_per_s=tokens * ctx.world / (ms * 1e-3),
-                               vs_torch=paired_ratio(samples["torch"], samples[name]), **common))
+                               vs_torch=paired_speedup(samples["torch"], samples[name]), **common))
     return rows

@@ -36,9 +36,10 @@ def build(family: str, seed: int = 0, experts: int = 4):
                                   first_k_dense_replace=1, n_group=2, topk_group=1,
                                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=8)
-    elif family == "gpt_oss":  # expert biases, interleaved [gate|up], clamped SwiGLU
+    elif family == "gpt_oss":  # expert biases, interleaved [gate|up], clamped SwiGLU, sinks
+        # gate_up outputs here are ~0.15 in size: a limit of 0.15 clamps a good share of them
         cfg = tf.GptOssConfig(**common, **routed, intermediate_size=24, num_local_experts=experts,
-                              head_dim=8, sliding_window=8)
+                              head_dim=8, sliding_window=4, swiglu_limit=0.15)
     else:
         raise ValueError(family)
     model = tf.AutoModelForCausalLM.from_config(cfg)
@@ -47,6 +48,11 @@ def build(family: str, seed: int = 0, experts: int = 4):
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(torch.randn(buf.shape) * 0.1)
+    if family == "gpt_oss":  # random expert biases (initialized to zero), so that they count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+                    p.copy_(torch.randn(p.shape) * 0.1)
     return model
 
 

@@ -432,3 +432,30 @@ def test_every_suite_is_described_in_bench_md():
     suites = sorted(p.stem.removeprefix("bench_") for p in (root / "benchmarks").glob("bench_*.py"))
     missing = [s for s in suites if f"`{s}`" not in table]
     assert not missing, f"docs/BENCH.md's suite table does not describe {missing}"
+
+
+def _moe_model_rows(rank, world):
+    import torch.distributed as dist
+
+    from pyfused.benchmarks import moe_model_step
+
+    pytest.importorskip("transformers")
+    ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                       warmup=0, iters=2)
+    return moe_model_step.model_rows(ctx, ("unfused", "decomposed", "fused", "auto"),
+                                     shapes=[(32, 48, 1, 2, 9)])
+
+
+def test_moe_model_step_rows(ranks):
+    """The ``moe`` suite's model rows: one per variant, each method checked against the torch
+    reference's logits before it is timed, its paired ratio a number; a method that cannot run
+    is a row saying why."""
+    rows = ranks.run(2, _moe_model_rows, timeout=300)[0]
+    assert [r["method"] for r in rows] == ["torch", "unfused", "decomposed", "fused", "auto"]
+    for row in rows:
+        assert row["suite_part"] == "model" and row["shape"].startswith("Mixtral step")
+        if row["status"] == "ok":
+            assert row["tokens_per_s"] > 0 and math.isfinite(row["vs_torch"]), row
+        else:
+            assert row["status"] == "unavailable" and row["note"], row
+    assert all(r["status"] == "ok" for r in rows if r["method"] != "fused")

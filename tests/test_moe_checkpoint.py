@@ -1,8 +1,9 @@
 """DCP checkpoints of expert-parallel models reshard: a tiny Mixtral (4 experts) trained for two SGD
 steps with momentum at ep=4 (one expert per rank) and saved loads at dp=2 x ep=2 (two experts per
-rank) and into the plain single-process model. The loaded parameters equal the saved ones bit for
-bit, and the next step -- which reads the momentum buffers, the optimizer state of the expert
-shards included -- gives the saving run's losses.
+rank) and into the plain single-process model; saved fully sharded (dp="fsdp") at dp=2 x ep=2, it
+loads fully sharded at ep=4. The loaded parameters equal the saved ones bit for bit, and the next
+step -- which reads the momentum buffers, the optimizer state of the expert shards included --
+gives the saving run's losses.
 """
 import pytest
 import torch
@@ -20,14 +21,14 @@ def _data_rank(info) -> int:
     return info.coord["dp"] * info.size["ep"] + info.coord["ep"]
 
 
-def _parallel(dims, shape, seed):
+def _parallel(dims, shape, seed, dp="ddp"):
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
     from tests.moe_models import build
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-    pm = pyfused.parallelize(build("mixtral", seed=seed, experts=EXPERTS), mesh)
+    pm = pyfused.parallelize(build("mixtral", seed=seed, experts=EXPERTS), mesh, dp=dp)
     return pm, _optimizer(pm)
 
 
@@ -46,28 +47,29 @@ def _step(pm, opt, step: int) -> float:
     return out.loss.item()
 
 
-def _save_then_load(rank, world, path):
-    """Save at ep=4, then load at dp=2 x ep=2: (the saved state on rank 0, the saving run's loss of
-    the step after the save, the loading run's)."""
+def _save_then_load(rank, world, path, saving, loading):
+    """Save on the ``saving`` (dims, shape, dp), then load on the ``loading`` one: (the saved state
+    on rank 0, the saving run's loss of the step after the save)."""
     from pyfused.parallelize import checkpoint
 
-    pm, opt = _parallel(("ep",), (4,), seed=0)
+    pm, opt = _parallel(*saving[:2], seed=0, dp=saving[2])
     for step in range(SAVED_AT):
         _step(pm, opt, step)
     checkpoint.save(path, pm, opt, extra={"step": SAVED_AT})
     saved = pm.full_state_dict()
     after = _step(pm, opt, SAVED_AT)
 
-    other, other_opt = _parallel(("dp", "ep"), (2, 2), seed=1)
+    other, other_opt = _parallel(*loading[:2], seed=1, dp=loading[2])
+    where = f"{dict(zip(*loading[:2]))} dp={loading[2]}, rank {rank}"
     experts = "model.layers.0.mlp.experts.gate_up_proj"
     assert not torch.equal(other.full_state_dict()[experts], saved[experts])
     assert checkpoint.load(path, other, other_opt, extra={"step": 0}) == {"step": SAVED_AT}
     loaded = other.full_state_dict()
     assert list(loaded) == list(saved)
     for k, v in saved.items():
-        assert torch.equal(loaded[k], v), f"{k} after loading at dp=2 x ep=2, rank {rank}"
+        assert torch.equal(loaded[k], v), f"{k} after loading at {where}"
     assert_close(torch.tensor(_step(other, other_opt, SAVED_AT)), torch.tensor(after),
-                 name=f"loss after loading at dp=2 x ep=2, rank {rank}")
+                 name=f"loss after loading at {where}")
     return saved if rank == 0 else None, after
 
 
@@ -88,9 +90,17 @@ def _plain_step(path, saved):
     return model(input_ids=ids, labels=labels).loss.item()
 
 
-def test_expert_shards_load_at_another_ep_size_and_into_the_plain_model(ranks, tmp_path):
+EP4 = (("ep",), (4,))
+DP2_EP2 = (("dp", "ep"), (2, 2))
+
+
+@pytest.mark.parametrize("saving,loading", [(EP4 + ("ddp",), DP2_EP2 + ("ddp",)),
+                                            (DP2_EP2 + ("fsdp",), EP4 + ("fsdp",))],
+                         ids=["ddp", "fsdp"])
+def test_expert_shards_load_at_another_ep_size_and_into_the_plain_model(ranks, tmp_path, saving,
+                                                                         loading):
     path = str(tmp_path / "step_2")
-    results = ranks.run(4, _save_then_load, path, timeout=TIMEOUT)
+    results = ranks.run(4, _save_then_load, path, saving, loading, timeout=TIMEOUT)
     saved, after = results[0]
     assert_close(torch.tensor(_plain_step(path, saved)), torch.tensor(after),
                  name="loss after loading into the plain model (data rank 0's batch)")

@@ -17,7 +17,7 @@ from tests.utils import assert_close
 
 pytest.importorskip("transformers", reason="the MoE layer tests need transformers")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 TIMEOUT = 300
 
 
@@ -67,7 +67,7 @@ def _matches_single_process(rank, world, method, families):
                 assert_close(a, b, name=f"router logits {tag}")
         rows = slice(rank * 2, rank * 2 + 2)
         for n, g in mine.items():
-            if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if ".experts." in n:  # the experts' weights (and gpt-oss's expert biases)
                 assert_close(g, totals[n][rows], name=f"grad {n} {tag}")
             else:
                 assert_close(g, own[n], name=f"grad {n} {tag}")
@@ -75,10 +75,10 @@ def _matches_single_process(rank, world, method, families):
 
 
 # by default world 3 on the families whose MoE block adds to the experts (a shared expert, grouped
-# routing); tests/test_moe_parallelize.py runs the layer in every family at ep=2.
-# PYFUSED_FULL_MOE_MATRIX=1: both worlds, every family.
+# routing) or whose experts differ from the default (gpt-oss); tests/test_moe_parallelize.py runs
+# the layer in every family at ep=2. PYFUSED_FULL_MOE_MATRIX=1: both worlds, every family.
 @pytest.mark.parametrize("world,families", moe_checks.grid(
-    [(2, FAMILIES), (3, FAMILIES)], [(3, ("qwen2_moe", "deepseek_v3"))]))
+    [(2, FAMILIES), (3, FAMILIES)], [(3, ("qwen2_moe", "deepseek_v3", "gpt_oss"))]))
 def test_layer_in_models_matches_single_process(ranks, world, families):
     method = "decomposed" if world == 3 else "unfused"
     assert all(ranks.run(world, _matches_single_process, method, families, timeout=TIMEOUT))
@@ -92,11 +92,13 @@ def _refusal(rank, world, case):
     from tests.moe_models import build, experts_modules
 
     forget_seen()
-    family = "gpt_oss" if case == "gpt-oss biases" else "mixtral"
-    module = next(iter(experts_modules(build(family, experts=6 if case != "indivisible" else 4)
+    module = next(iter(experts_modules(build("mixtral", experts=6 if case != "indivisible" else 4)
                                        ).values()))
     if case == "not an experts module" and rank == 1:
         module = nn.Linear(4, 4)
+    if case == "a gate of its own":  # a subclass that changes what each expert computes
+        module.__class__ = type("SquaredGateExperts", (type(module),),
+                                {"_apply_gate": lambda self, h: h.chunk(2, dim=-1)[0] ** 2})
     try:
         ExpertParallelExperts(module)
     except InputError as e:
@@ -106,7 +108,7 @@ def _refusal(rank, world, case):
 
 REFUSED = {
     "not an experts module": "the module passed (rank 1) is not a transformers experts module",
-    "gpt-oss biases": "has expert biases",
+    "a gate of its own": "applies a gate of its own (_apply_gate)",
     "indivisible": "num_experts=4 is not divisible by the expert-parallel size 3",
 }
 

@@ -47,6 +47,7 @@ from .steps import (
     apply_tp,
     average_over_ep,
     check_locally,
+    fsdp_mesh,
 )
 
 __all__ = ["MeshInfo", "ParallelModel", "ParallelizeError", "parallelize"]
@@ -93,7 +94,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     else:
         apply_ep(model, resolved, info, tp)
         apply_tp(model, resolved, tp)
-        average_over_ep(model, info)
+        average_over_ep(model, info, dp)
         cp = apply_cp(model, info)
         runner = apply_ddp(model, info) if dp == "ddp" else apply_fsdp(model, resolved, info, tp)
     logger.info("pyfused.parallelize: %s on mesh %s (sequence_parallel=%s)", type(model).__name__,
@@ -131,10 +132,16 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "mesh_info", info)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
-        # parameters are DTensors over dp (HSDP: over dp_shard): the group their norms sum over
+        # parameters are DTensors over dp (HSDP: over dp_shard; with ep > 1 the replicated ones
+        # over dp x ep, the experts over dp): the group their norms sum over
         shard_dim = "dp_shard" if data_parallel == "hsdp" else "dp"
         sharded = data_parallel != "ddp" and info.size[shard_dim] > 1
-        object.__setattr__(self, "_dp_shard_group", info.group[shard_dim] if sharded else None)
+        shard_group = info.group[shard_dim] if sharded else None
+        ep_sharded = data_parallel == "fsdp" and info.size["ep"] > 1 and stage is None
+        if ep_sharded:
+            shard_group = fsdp_mesh(info).get_group()
+        object.__setattr__(self, "_dp_shard_group", shard_group)
+        object.__setattr__(self, "_ep_in_shard_group", ep_sharded)
         object.__setattr__(self, "_runner", module if runner is None else runner)
         object.__setattr__(self, "_full_keys", self._key_shapes())
         object.__setattr__(self, "_recorder", report_mod.MethodRecorder())  # for the first call
@@ -268,7 +275,7 @@ class ParallelModel(nn.Module):
                 dist.all_reduce(parts, op=op, group=self._dp_shard_group)
             if self._tp.world > 1:
                 dist.all_reduce(parts[:1], op=op, group=self._tp.pg)
-            if self.mesh_info.size["ep"] > 1:
+            if self.mesh_info.size["ep"] > 1 and not self._ep_in_shard_group:
                 dist.all_reduce(parts[2:], op=op, group=self.mesh_info.group["ep"])
             total = parts.max() if inf else parts.sum()
             if self._stage is not None:

@@ -29,7 +29,9 @@ DP inside a stage: DDP's hooks reduce on the backward of a forward run outside `
 1F1B step the last forward precedes earlier microbatches' backwards; so every microbatch runs under
 ``no_sync`` and the last one's backward -- the last backward of the step on every stage -- arms the
 reducer as it starts (``pyfused.pipeline.accumulation.before_backward``), reducing the accumulated
-gradients. With
+gradients. Expert parallelism (ep > 1, dp="ddp") replaces the stage's experts modules and
+averages its gradients over ep as it does without a pipeline (moe.py); the ep ranks of a stage run
+the same schedule, so their all-to-alls and gradient hooks meet. With
 ``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
 module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
 accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
@@ -50,6 +52,7 @@ from ..fsdp import compose as fsdp_compose
 from ..layers import DistributedDataParallel
 from ..pipeline import PipelineSegment, PipelineStage, Schedule1F1B, ScheduleGPipe, even_starts, split
 from ..pipeline.accumulation import before_backward
+from . import moe as ep_mod
 from .pipeline_units import (
     Block,
     Embed,
@@ -156,8 +159,12 @@ class PipelinedModel:
         self.units = range(bounds[self.stage_index], bounds[self.stage_index + 1])
         blocks_here = [i - 1 for i in self.units if 1 <= i <= n]
         self._drop_other_stages(resolved.styles, blocks_here)
+        ep = info.size["ep"]  # this stage's experts over its ep group, as without pipeline (moe.py)
+        ep_mod.apply(model, resolved, info.group["ep"], ep, info.coord["ep"], tp.overlap,
+                     tp.param_specs)
         if tp.world > 1:
             tp.apply(model, resolved, install_region=False)
+        ep_mod.average_gradients(model, info.group["ep"], ep, replicated_by_fsdp=False)
         self.parts.blocks = list(self.parts.base._modules[self.parts.attr])  # now TP-sharded
         tp.install_sequence_region([self.parts.blocks[i] for i in blocks_here])
         self.submodule = self._stage_module(n)

@@ -90,16 +90,12 @@ FAMILIES = {**{t: "llama" for t in LLAMA_FAMILY}, "olmo2": "olmo2", "phi3": "phi
 # Mixture-of-experts families (pyfused/parallelize/moe.py): the MoE block of every layer runs whole
 # ("replicate": router and shared experts), its experts module over the ep dim ("experts"). Those
 # with Llama's attention layout take the Llama plan's attention styles; OLMoE's q/k norms (over the
-# whole projection, rounded as OLMo 2's are not) and DeepSeek-V3's latent attention are not
+# whole projection, rounded as OLMo 2's are not), DeepSeek-V3's latent attention and gpt-oss's
+# attention sinks (one learned logit per head, which a head split would have to shard too) are not
 # sharded: their blocks are replicated over tp.
 MOE_LLAMA_ATTENTION = ("mixtral", "qwen2_moe", "qwen3_moe")
-MOE_REPLICATED_ATTENTION = ("olmoe", "deepseek_v3")
+MOE_REPLICATED_ATTENTION = ("olmoe", "deepseek_v3", "gpt_oss")
 FAMILIES.update({t: "moe" for t in MOE_LLAMA_ATTENTION + MOE_REPLICATED_ATTENTION})
-# model types plan="auto" knows and refuses: why (the same message on every rank)
-REFUSED_FAMILIES = {
-    "gpt_oss": "its experts add biases and interleave [gate|up] into a clamped SwiGLU "
-               "(GptOssExperts), which pyfused's expert-parallel layer does not compute",
-}
 # per-block norms of the Llama family and OLMo 2, by name; a plan lists those the model has
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
@@ -231,9 +227,6 @@ def family_of(model: nn.Module) -> Tuple[Optional[str], str]:
 
 def auto_plan(model: nn.Module) -> Dict[str, str]:
     family, model_type = family_of(model)
-    if model_type in REFUSED_FAMILIES:
-        raise PlanError(f"plan='auto' cannot parallelize {type(model).__name__} ({model_type}) "
-                        f"exactly: {REFUSED_FAMILIES[model_type]}")
     if family is None:
         raise PlanError(
             f"plan='auto' does not know {type(model).__name__} (config.model_type={model_type!r}); "
@@ -344,7 +337,7 @@ def _check_module_type(name: str, module: nn.Module, style: str) -> None:
     if style == "experts":
         from ..layers.moe import REFUSALS, describe
 
-        code = describe(module)[0]
+        code = describe(module).refusal
         if code:
             raise PlanError(f"{name!r} ({cls}) {REFUSALS[code]}; style 'experts' cannot shard it")
 

@@ -179,9 +179,10 @@ def apply_ep(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
                  tp.param_specs)
 
 
-def average_over_ep(model: nn.Module, info: MeshInfo) -> None:
-    """Gradients averaged over the ep ranks' batches (after apply_tp: on the final parameters)."""
-    ep_mod.average_gradients(model, info.group["ep"], info.size["ep"])
+def average_over_ep(model: nn.Module, info: MeshInfo, dp: str) -> None:
+    """Gradients averaged over the ep ranks' batches (after apply_tp: on the final parameters); with
+    dp="fsdp" the replicated ones by fully_shard over every data rank (apply_fsdp)."""
+    ep_mod.average_gradients(model, info.group["ep"], info.size["ep"], dp == "fsdp")
 
 
 def apply_tp(model: nn.Module, resolved: plans_mod.ResolvedPlan, tp: tp_mod.TensorParallel) -> None:
@@ -200,14 +201,30 @@ def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: Mes
 
 def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
                tp: tp_mod.TensorParallel) -> nn.Module:
-    """``fully_shard`` over the dp dim, after TP (each block a unit, then the model; the TP specs
-    follow the parameters to their shards): the model, sharded in place (itself at dp = 1). On an
-    HSDP mesh over the 2-D ("dp_replicate", "dp_shard") mesh."""
-    if info.size["dp"] > 1:
-        dp_mesh = info.mesh[HSDP_DIMS] if info.hsdp else info.mesh["dp"]
+    """``fully_shard`` over ``fsdp_mesh``, after TP (each block a unit, then the model; the TP specs
+    follow the parameters to their shards): the model, sharded in place (itself on one rank). With
+    ep > 1 each experts layer is first a unit of its own over the dp dim (moe.py)."""
+    if info.size["ep"] > 1:
+        ep_mod.shard_experts(model, ep_mod.experts_mesh(info.mesh), tp.param_specs)
+    mesh = fsdp_mesh(info)
+    if mesh is not None:
         fsdp_compose.shard_model(model, resolved.blocks[0] if resolved.blocks else None,
-                                 dp_mesh, tp.param_specs)
+                                 mesh, tp.param_specs)
     return model
+
+
+def fsdp_mesh(info: MeshInfo):
+    """The mesh fully_shard shards the model over, None on one rank: HSDP's 2-D ("dp_replicate",
+    "dp_shard") mesh, the dp dim, or with ep > 1 every data rank, dp x ep flattened (the experts
+    aside; moe.py). Made once per mesh: every rank makes it at the same step."""
+    if not hasattr(info, "fsdp_mesh"):
+        if info.hsdp:
+            info.fsdp_mesh = info.mesh[HSDP_DIMS]
+        elif info.size["ep"] > 1:
+            info.fsdp_mesh = ep_mod.data_mesh(info.mesh, info.size["dp"])
+        else:
+            info.fsdp_mesh = info.mesh["dp"] if info.size["dp"] > 1 else None
+    return info.fsdp_mesh
 
 
 def apply_cp(model: nn.Module, info: MeshInfo) -> cp_mod.ContextParallel:
