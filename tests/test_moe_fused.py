@@ -9,6 +9,9 @@ Everything is compared with the dense single-process MoE MLP in fp64 (tests/moe_
 world sizes 1-4, for the routing cases: top-2, top-1, whole ranks receiving nothing, every token
 to one expert, a rank without tokens; odd token counts and widths.
 
+With the interpreted launches running at once (pyfused/testing/interpreter.py), one rank's rows
+held back: the other ranks' grouped GEMMs wait for them on the flag, in the kernel.
+
 Cut grid: every world size and every routing case once (~4 interpreted launches per rank and
 case); PYFUSED_LONG_TESTS=1 runs every routing at every world size. On CPU the op itself refuses
 ``method="fused"`` with the reason, on every rank alike.
@@ -149,3 +152,36 @@ def test_op_refuses_fused_on_cpu_with_the_reason(ranks):
     assert results[0] == results[1]
     for message in results[0]:
         assert "method='fused' is not available" in message and "cpu" in message, message
+
+
+def test_dispatch_gemm_waits_for_a_late_source(monkeypatch):
+    """With the ranks' interpreted launches running at once, each rank's grouped GEMM starts before
+    the last rank's rows have landed and waits on its flag in the kernel: that rank's pushes and
+    flags are held back 0.3 s, and every rank's out still equals the fp64 reference."""
+    import time
+
+    from pyfused.fused import moe
+    from pyfused.ops.moe_dispatch import fused_on_rank, make_inputs, moe_dispatch_ref
+    from pyfused.testing.interpreter import thread_safe_interpreter
+    from pyfused.testing.virtual_ranks import VirtualGroup
+
+    world, late = 3, 2
+    real_signal = moe.signal_flag
+
+    def late_signal(flags, index, value):
+        if index == late:
+            time.sleep(0.3)
+        real_signal(flags, index, value)
+
+    monkeypatch.setattr(moe, "signal_flag", late_signal)
+    inputs = make_inputs(world, 9, 12, 10, seed=4)
+    refs = moe_dispatch_ref(*(list(t) for t in zip(*[(x.double(), i, w.double())
+                                                     for x, i, w in inputs])))
+    group = VirtualGroup(world, "cpu")
+    try:
+        with thread_safe_interpreter():
+            outs = group.run(fused_on_rank, inputs)
+    finally:
+        group.free()
+    for r in range(world):
+        assert_close(outs[r], refs[r][0], torch.float32, f"rank {r} out")
