@@ -10,7 +10,8 @@ world sizes 1-4, for the routing cases: top-2, top-1, whole ranks receiving noth
 to one expert, a rank without tokens; odd token counts and widths.
 
 With the interpreted launches running at once (pyfused/testing/interpreter.py), one rank's rows
-held back: the other ranks' grouped GEMMs wait for them on the flag, in the kernel.
+held back: the other ranks' grouped GEMMs wait for them on the flag, in the kernel; and the
+combine's kernels storing into each other's buffers at once, one rank late.
 
 Cut grid: every world size and every routing case once (~4 interpreted launches per rank and
 case); PYFUSED_LONG_TESTS=1 runs every routing at every world size. On CPU the op itself refuses
@@ -185,3 +186,37 @@ def test_dispatch_gemm_waits_for_a_late_source(monkeypatch):
         group.free()
     for r in range(world):
         assert_close(outs[r], refs[r][0], torch.float32, f"rank {r} out")
+
+
+def test_combine_with_a_late_rank_and_concurrent_launches(monkeypatch):
+    """The combine's kernels of all ranks run at once and store into each other's buffers, rank 2's
+    0.3 s late; each chunk's word is set by the tile that completes it, and every rank's out still
+    equals the fp64 reference."""
+    import threading
+    import time
+
+    from pyfused.fused import moe
+    from pyfused.ops.moe_combine import fused_on_rank, make_inputs, reference_per_rank
+    from pyfused.testing.interpreter import thread_safe_interpreter
+    from pyfused.testing.virtual_ranks import VirtualGroup
+
+    world = 3
+    real_gemm = moe.grouped_gemm
+
+    def late_gemm(*args, **kw):
+        if threading.current_thread().name.endswith("-rank2"):
+            time.sleep(0.3)
+        return real_gemm(*args, **kw)
+
+    monkeypatch.setattr(moe, "grouped_gemm", late_gemm)
+    inputs = make_inputs(world, 9, 12, 10, seed=4)
+    refs = reference_per_rank([tuple(t.double() if t.is_floating_point() else t for t in rank)
+                               for rank in inputs])
+    group = VirtualGroup(world, "cpu")
+    try:
+        with thread_safe_interpreter():
+            outs = group.run(fused_on_rank, inputs)
+    finally:
+        group.free()
+    for r in range(world):
+        assert_close(outs[r], refs[r], torch.float32, f"rank {r} out")

@@ -35,7 +35,10 @@ grouped GEMM -> combine (``fused_moe_combine``), rank r holding y [R, N] in expe
 CPU model (``backend="host-shm"`` or virtual ranks, Triton interpreter): the same buffers, copies,
 flags and kernels; a CPU wait cannot block, so a host barrier (CHAN_SYNC) after the data movement
 stands in for the in-kernel waits, which still check every flag (pyfused/fused/gemm_collectives.py
-"CPU model"). Epochs, streams and the one-stream-per-group rule are those of gemm_collectives.py.
+"CPU model"). Where interpreted launches may overlap (the threaded tests) the dispatch's GEMM waits
+for the flags itself; the combine keeps its host barrier (its end-of-call flag waits are host
+waits, which cannot block on CPU). Epochs, streams and the one-stream-per-group rule are those of
+gemm_collectives.py.
 """
 from __future__ import annotations
 
@@ -238,8 +241,8 @@ def fused_moe_combine(y: Tensor, topk_idx: Tensor, layout: Tensor, weight: Optio
     grouped_gemm(y, weight, segments, out_chunks=_return_areas(buf, header, most, width, y.dtype),
                  signal_words=_return_words(buf, r), signal_value=epoch,
                  num_programs=config.grid_budget(device), allow_tf32=False if identity else None)
-    if not _waits_block(device):
-        _barrier(buf, CHAN_SYNC, epoch)
+    if device.type != "cuda":  # a CPU wait cannot block: every rank's kernel (its flag writes)
+        _barrier(buf, CHAN_SYNC, epoch)  # ends before the barrier, even with concurrent launches
     for q in range(w):
         wait_flag(flags, q, epoch, config.timeout_ms())
     return buf.local_view((most, width), y.dtype, offset=header)[:pairs[r]].clone()
