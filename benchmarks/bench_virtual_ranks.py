@@ -63,7 +63,7 @@ def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
     err = max_rel_error(fused, unfused)
     times = time_interleaved({
         "unfused": lambda: run_unfused(group, case, inputs),
-        "fused": lambda: group.launch(case.fused, inputs, threads=False),
+        "fused": lambda: group.launch(case.fused, inputs, threads=case.blocks_host),
     }, ctx)
     group.run(case.fused, inputs)  # the timed calls' wait timeouts, if any, raise here
     flop = case.flop(group.world, shape["rows"], shape["n"], shape["k"])

@@ -11,7 +11,8 @@ tests/test_hopper_compile.py runs it in CI and fails on any compile error, spill
 How. Triton's active driver is swapped for one that reports a device of the target's capability, so
 nothing needs CUDA. Each variant (benchmarks/hopper_variants.py) calls its real launcher
 (``pyfused.kernels.gemm_launch.gemm``, ``pyfused.kernels.reduce_launch.multi_source_reduce``,
-``pyfused.dp.bucket_copy.flatten_scale`` / ``unflatten_scale``) on CPU tensors, with the kernel
+``pyfused.dp.bucket_copy.flatten_scale`` / ``unflatten_scale``,
+``pyfused.kernels.grouped_gemm_launch.grouped_gemm``) on CPU tensors, with the kernel
 replaced by a recorder; the recorded launch is then compiled with ``kernel.warmup(*args, **kwargs)``.
 The specializations compiled are therefore exactly the launcher's: its config choice (the chooser
 asked for the target's arch), its constexpr flags, and Triton's own specialization of the integer and
@@ -108,16 +109,19 @@ def recorded_launches(cc: int):
     import pyfused.kernels.gemm as kgemm
     import pyfused.kernels.gemm_configs as kconfigs
     import pyfused.kernels.gemm_launch as gemm_launch
+    import pyfused.kernels.grouped_gemm as kgrouped
+    import pyfused.kernels.grouped_gemm_launch as grouped_launch
     import pyfused.kernels.reduce as kreduce
     import pyfused.kernels.reduce_launch as reduce_launch
 
     launches: list = []
     with contextlib.ExitStack() as stack:
         for module, name in ((kgemm, "persistent_gemm_kernel"), (kreduce, "multi_source_reduce_kernel"),
-                             (kbucket, "segment_copy_scale_kernel")):
+                             (kbucket, "segment_copy_scale_kernel"),
+                             (kgrouped, "grouped_gemm_kernel")):
             recorder = _Recorder(getattr(module, name), launches)
             stack.enter_context(mock.patch.object(module, name, recorder))
-        for module in (gemm_launch, reduce_launch):
+        for module in (gemm_launch, reduce_launch, grouped_launch):
             stack.enter_context(mock.patch.object(module, "check_backend", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(kconfigs, "arch_of", lambda device: hv.ARCH[cc]))
         yield launches

@@ -9,7 +9,8 @@ any config a chooser can return that no variant reaches, and the compile test fa
 
 Kernels (in pyfused/kernels/): ``persistent_gemm_kernel`` (gemm.py, launcher ``gemm_launch.gemm``),
 ``multi_source_reduce_kernel`` (reduce.py, ``reduce_launch.multi_source_reduce``),
-``segment_copy_scale_kernel`` (bucket.py, launcher pyfused.dp.bucket_copy). The only other
+``segment_copy_scale_kernel`` (bucket.py, launcher pyfused.dp.bucket_copy),
+``grouped_gemm_kernel`` (grouped_gemm.py, ``grouped_gemm_launch.grouped_gemm``). The only other
 ``@triton.jit`` in the project, the interpreter probe of reduce_launch.py, runs only under
 TRITON_INTERPRET and is never compiled for a GPU.
 """
@@ -29,16 +30,19 @@ EPOCH = 3   # a wait's expected flag value (not specialized on: any value compil
 
 @dataclass(frozen=True)
 class Variant:
-    kernel: str                # "gemm" | "reduce" | "bucket"
+    kernel: str                # "gemm" | "reduce" | "bucket" | "grouped"
     cc: int                    # compute capability of the target: 90 is sm_90a (H100)
     dtype: str                 # gemm, reduce: a key of DTYPES ("tf32": fp32 inputs, TF32 products);
     #                            bucket: "src>dst"
-    shape: Tuple[int, ...]     # gemm (M, N, K); reduce (M, N, P sources); bucket: segment lengths
+    shape: Tuple[int, ...]     # gemm (M, N, K); reduce (M, N, P sources); bucket: segment lengths;
+    #                            grouped (N, K)
     call: str                  # which call of the launcher (see the launch functions)
     config: Optional[object] = None  # gemm: an explicit GemmConfig (autotune candidates)
 
     @property
     def name(self) -> str:
+        if self.kernel == "grouped":
+            return f"{self.kernel} sm_{self.cc} {self.dtype} {self.shape[0]}x{self.shape[1]} {self.call}"
         if self.kernel == "bucket":
             shape = "aligned" if all(n % 16 == 0 for n in self.shape) else "odd segments"
         else:
@@ -256,9 +260,61 @@ def launch_bucket(v: Variant) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Grouped GEMM (expert parallelism)
+# ---------------------------------------------------------------------------------------------------
 
-LAUNCH = {"gemm": launch_gemm, "reduce": launch_reduce, "bucket": launch_bucket}
-CHOSEN = {"gemm": chosen_gemm_config, "reduce": chosen_reduce_config, "bucket": chosen_bucket_config}
+# (N, K) of the experts' GEMMs: Mixtral-8x7B's gate_up (2 x 14336 from 4096, the dispatch side) and
+# down projection (4096 from 14336, the combine side), and the tests' odd 1025 x 259 (the unaligned
+# tile). The row counts are device values: no M to specialize on.
+GROUPED_SHAPES = [(28672, 4096), (4096, 14336), (1025, 259)]
+GROUPED_DTYPES = ("bf16", "fp16", "tf32", "fp32")
+# the fused dispatch (wait per source chunk) and the fused combine (scatter + signal per chunk)
+GROUPED_CALLS = ("dispatch", "combine")
+EXPERTS = 8
+
+
+def grouped_variants(cc: int) -> List[Variant]:
+    """Every dtype at an aligned and an unaligned shape, both calls; the other aligned shape in
+    bf16 (same config, other K and N)."""
+    out = [Variant("grouped", cc, dt, shape, call) for dt in GROUPED_DTYPES
+           for shape in (GROUPED_SHAPES[0], GROUPED_SHAPES[2]) for call in GROUPED_CALLS]
+    return out + [Variant("grouped", cc, "bf16", GROUPED_SHAPES[1], call) for call in GROUPED_CALLS]
+
+
+def chosen_grouped_config(v: Variant):
+    from pyfused.kernels.grouped_gemm_configs import choose_grouped_config
+
+    n, k = v.shape
+    return choose_grouped_config(n, k, DTYPES[v.dtype], ARCH[v.cc], allow_tf32=v.dtype == "tf32")
+
+
+def launch_grouped(v: Variant) -> None:
+    from pyfused.kernels.grouped_gemm_launch import SegmentTable, grouped_gemm
+    from pyfused.kernels.reduce_launch import PointerTable
+
+    n, k = v.shape
+    dt, tf32 = DTYPES[v.dtype], v.dtype == "tf32"
+    rows = 1024
+    segments = SegmentTable(torch.zeros(5, CHUNKS * EXPERTS, dtype=torch.int32), CHUNKS)
+    a, weight = torch.empty(rows, k, dtype=dt), torch.empty(EXPERTS, k, n, dtype=dt)
+    if v.call == "dispatch":
+        flags = torch.full((CHUNKS,), EPOCH, dtype=torch.int32)
+        grouped_gemm(a, weight, segments, wait_flags=flags, wait_expected=EPOCH, allow_tf32=tf32)
+    elif v.call == "combine":
+        areas = PointerTable.of([torch.empty(rows, n, dtype=dt) for _ in range(CHUNKS)])
+        words = torch.zeros(CHUNKS, dtype=torch.int64)
+        grouped_gemm(a, weight, segments, out_chunks=areas, signal_words=words,
+                     signal_value=EPOCH, allow_tf32=tf32)
+    else:
+        raise ValueError(f"unknown grouped GEMM call {v.call!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+
+LAUNCH = {"gemm": launch_gemm, "reduce": launch_reduce, "bucket": launch_bucket,
+          "grouped": launch_grouped}
+CHOSEN = {"gemm": chosen_gemm_config, "reduce": chosen_reduce_config, "bucket": chosen_bucket_config,
+          "grouped": chosen_grouped_config}
 
 # sm_90a (the H100 the project targets) gets the whole grid. sm_80 keeps the compile of its own GEMM
 # table (every 16-bit tile and the fp32 one, all options, with an odd K) and one reduce.
@@ -266,7 +322,7 @@ SM80_GEMM = [(dt, shape) for dt in ("bf16", "fp32") for shape in GEMM_SHAPES[:5]
 
 
 def all_variants() -> List[Variant]:
-    out = gemm_variants(90) + reduce_variants(90) + bucket_variants(90)
+    out = gemm_variants(90) + reduce_variants(90) + bucket_variants(90) + grouped_variants(90)
     seen = set()
     for dt, shape in SM80_GEMM:
         v = Variant("gemm", 80, dt, shape, "all")
@@ -286,8 +342,9 @@ def uncovered_configs(variants: List[Variant]) -> Dict[str, list]:
     """Configs a chooser can return that no variant compiles: GEMM table entries per arch and dtype
     class, bucket configs per element size."""
     from pyfused.kernels import bucket, gemm_configs
+    from pyfused.kernels.grouped_gemm_configs import selectable_grouped_configs
 
-    reached = {(v.kernel, v.cc, v.dtype if v.kernel == "gemm" else None, config_of(v))
+    reached = {(v.kernel, v.cc, v.dtype if v.kernel in ("gemm", "grouped") else None, config_of(v))
                for v in variants}
     missing: Dict[str, list] = {}
     for cc in sorted({v.cc for v in variants if v.kernel == "gemm"}):
@@ -297,6 +354,10 @@ def uncovered_configs(variants: List[Variant]) -> Dict[str, list]:
             for cfg in gemm_configs.selectable_configs(ARCH[cc], DTYPES[dt], dt == "tf32"):
                 if ("gemm", cc, dt, cfg) not in reached:
                     missing.setdefault(f"gemm sm_{cc} {dt}", []).append(cfg)
+    for dt in GROUPED_DTYPES:
+        for cfg in selectable_grouped_configs(ARCH[90], DTYPES[dt], dt == "tf32"):
+            if ("grouped", 90, dt, cfg) not in reached:
+                missing.setdefault(f"grouped sm_90 {dt}", []).append(cfg)
     for (target, _), cfg in bucket.CONFIGS.items():
         if target == "cuda" and ("bucket", 90, None, cfg) not in reached:
             missing.setdefault("bucket", []).append(cfg)

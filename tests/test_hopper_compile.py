@@ -132,6 +132,27 @@ def test_reduce_instructions(records):
         assert acquire == wait and r["globaltimer"] == wait, what
 
 
+def test_grouped_instructions(records):
+    """The grouped GEMM: aligned operands load as 16-byte cp.async, 16-bit inputs use wgmma; the
+    dispatch call acquire-waits on its flags, bounded by the wall clock; the combine call counts
+    tiles with an acq_rel add and sets each chunk's word with a release exchange, at system scope,
+    and does not wait."""
+    grouped = [r for r in records if r["kernel"] == "grouped" and not r["error"]]
+    assert {r["call"] for r in grouped} == set(hv.GROUPED_CALLS)
+    for r in grouped:
+        what = f"{r['name']}: {r['ops']}"
+        if all(x % 16 == 0 for x in r["shape"]):
+            assert r["cp_async_16B"] > 0, f"{what}: loads not vectorized"
+        if r["dtype"] in ("bf16", "fp16"):
+            assert any(op.startswith("wgmma.mma_async") for op in r["ops"]), f"{what}: no wgmma"
+        wait = r["call"] == "dispatch"
+        acquire = any(re.match(r"(ld|atom)\.global\.sys\.acquire", op) for op in r["ops"])
+        signals = {op for op in r["ops"] if re.match(r"atom\.global\.\w+\.(acq_rel|release)\.", op)}
+        assert acquire == wait and r["globaltimer"] == wait, what
+        assert signals == (set() if wait else {"atom.global.sys.acq_rel.add.u32",
+                                               "atom.global.sys.release.exch.b32"}), what
+
+
 def test_bucket_copy_uses_16_byte_vectors(records):
     """Segments of 16-element multiples at aligned addresses copy with 16-byte loads and stores, in
     every dtype pair; odd segments compile to the element-wise form."""
@@ -153,7 +174,7 @@ def test_doc_table_lists_every_variant(records):
     if begin not in text:
         pytest.skip(f"no table for triton {triton.__version__} in {DOC.name}")
     block = text[text.index(begin):text.index(hc.END.format(triton.__version__))]
-    names = re.findall(r"^\| ((?:gemm|reduce|bucket) [^|]*?) \|", block, re.M)
+    names = re.findall(r"^\| ((?:gemm|reduce|bucket|grouped) [^|]*?) \|", block, re.M)
     assert names == [r["name"] for r in records], \
         "regenerate it: python -m benchmarks.hopper_compile --doc docs/PERF_kernels.md"
 

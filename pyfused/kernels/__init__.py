@@ -5,6 +5,8 @@ their launchers.
                                                   scatters per chunk, and its fp32 reference
   reduce.py, reduce_configs.py, reduce_launch.py  the multi-source reduce + residual + RMSNorm,
                                                   pointer tables, the waits' timeout status
+  grouped_gemm.py, grouped_gemm_configs.py,       the grouped GEMM over row segments (experts)
+  grouped_gemm_launch.py                          that waits / signals per chunk, its reference
   bucket.py                                       the DDP / ZeRO bucket copy (its launcher is
                                                   pyfused/dp/bucket_copy.py)
 

@@ -50,12 +50,14 @@ def gemm_flop(world: int, rows: int, n: int, k: int) -> float:
     return 2.0 * world * rows * n * k
 
 
-def case(make, fused, unfused, reference, flop) -> Dict[str, Callable]:
+def case(make, fused, unfused, reference, flop, blocks_host: bool = False) -> Dict[str, Callable]:
     """The parts of a virtual-rank case (pyfused/testing/virtual_cases.py, ``Case``): ``make`` as
     ``make_inputs``; ``fused(rank_handle, *inputs_of_rank, **kw)`` -> that rank's output;
     ``unfused(inputs, rank)`` the same op composed of torch ops with all inputs visible;
-    ``reference(inputs)`` -> fp64 outputs per rank; ``flop(world, rows, n, k)``."""
-    return dict(make=make, fused=fused, unfused=unfused, reference=reference, flop=flop)
+    ``reference(inputs)`` -> fp64 outputs per rank; ``flop(world, rows, n, k)``; ``blocks_host``:
+    the fused call waits on the host for its peers."""
+    return dict(make=make, fused=fused, unfused=unfused, reference=reference, flop=flop,
+                blocks_host=blocks_host)
 
 
 def backward_case(spec) -> Dict[str, Callable]:

@@ -18,13 +18,15 @@ Methods (docs/MOE.md)
   * decomposed: every receive posted at once; the local experts compute the block of each
     destination rank in turn -- the other ranks' first, this rank's own last -- and each block is
     sent as soon as it is done, while the next one is computed.
-  * fused: none yet (needs a GPU); auto: as ``moe_dispatch`` decides from the same sizes.
-Both read ``layout`` on the host (a host synchronization on a GPU) and trust it: it must be the
-one ``moe_dispatch`` returned for this ``topk_idx`` on every rank. A ``y`` whose rows differ from
-its total is an error on that rank alone; layouts that do not fit together across ranks are found
-only
-in validation mode "always" (one all-gather of 2W counts per call, then the same error on every
-rank); otherwise the transfers' sizes disagree, which gloo reports by aborting the process.
+  * fused (pyfused/fused/moe.py): one Triton grouped GEMM storing each tile into the buffer of the
+    rank its rows return to and flagging each rank once its rows are stored; auto: as
+    ``moe_dispatch`` decides from the same sizes (never fused).
+Every method reads ``layout`` on the host (a host synchronization on a GPU; the fused one reads
+its count exchange too) and trusts it: it must be the one ``moe_dispatch`` returned for this
+``topk_idx`` on every rank. A ``y`` whose rows differ from its total is an error on that rank
+alone; layouts that do not fit together across ranks are found only in validation mode "always"
+(one all-gather of 2W counts per call, then the same error on every rank); otherwise the
+transfers' sizes disagree, which gloo reports by aborting the process.
 
 Autograd, with C the combine of the expert outputs G(y, weight) and P the returned outputs per
 (token, choice) pair:
@@ -41,11 +43,12 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from . import _common, moe_exchange
+from . import _common, _fused, moe_exchange
 from ._dispatch import dispatched
 from .moe_dispatch import (
     _ABSENT,
     EXPERTS_PER_RANK,
+    TOPK,
     auto_preference,
     expert_major_pairs,
     expert_weights,
@@ -151,7 +154,10 @@ def _run(y: Tensor, topk_weights: Optional[Tensor], topk_idx: Tensor, layout: Te
                               f"received {received}: pass the layout moe_dispatch returned with y")
     if comm.validation_mode() == "always" and routing.world > 1:
         moe_exchange.check_layouts_fit(OP, routing, pg)
-    returned = combine_rows(OP, y, routing, weight, pg, method)
+    if method == "fused":
+        returned = _fused.run(OP, y, topk_idx, layout, weight, pg)
+    else:
+        returned = combine_rows(OP, y, routing, weight, pg, method)
     return weighted_sum(returned, routing, topk_weights, topk_idx.shape[0], topk_idx.shape[1])
 
 
@@ -387,3 +393,30 @@ def plain_torch(tensors, pg):
         by_token = pairs.view(-1, k, pairs.shape[1])
         return (by_token * topk_weights.reshape(-1, k, 1)).sum(1)
     return expert_loop_then_all_to_all
+
+
+def virtual_cases():
+    """The fused grouped GEMM -> combine on every rank's hook inputs, the weighted sum included,
+    against the fp64 reference (tests/test_moe_fused.py checks the backward compositions)."""
+    from ._hooks import case, in_fp64
+
+    return {OP: case(make_inputs, fused_on_rank, _unfused_all_visible, in_fp64(reference_per_rank),
+                     _flop, blocks_host=True)}
+
+
+def fused_on_rank(pg, y, topk_weights, topk_idx, layout, weight, **kw) -> Tensor:
+    """This rank's ``out`` by the fused implementation and the weighted sum of ``_run``."""
+    weights2, idx2 = _flat(topk_weights, topk_idx)
+    returned = OPS[OP].fused_function()(y, idx2, layout, weight, pg, **kw)
+    routing = moe_exchange.routing_from_layout(idx2, layout, pg)
+    out, _ = weighted_sum(returned, routing, weights2, idx2.shape[0], idx2.shape[1])
+    return _shaped(out, topk_idx)
+
+
+def _unfused_all_visible(inputs, rank: int) -> Tensor:
+    return reference_per_rank(inputs)[rank].to(inputs[rank][0].dtype)
+
+
+def _flop(world, rows, n, k) -> float:
+    """One rank's GEMM FLOPs on average: rows * TOPK pairs of (k or n) x n."""
+    return 2.0 * rows * TOPK * n * (k or n)

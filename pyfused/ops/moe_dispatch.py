@@ -18,9 +18,11 @@ Methods (docs/MOE.md)
   * decomposed: the count exchange, then every peer's block posted at once (isend / irecv); the
     local experts multiply this rank's own block first and each source's block as it arrives,
     while the later ones travel.
-  * fused: none yet (a Triton grouped GEMM waiting on symmetric-memory flags needs a GPU).
+  * fused (pyfused/fused/moe.py, where symmetric memory is): the counts through symmetric
+    memory, each block copied into its destination's buffer and flagged, one Triton grouped GEMM
+    whose tiles wait on their source rank's flag.
   * auto: unfused on one rank or without a weight, else decomposed from ``DECOMPOSE_MIN_WEIGHT``.
-Both methods read the exchanged counts on the host once (a host synchronization on a GPU).
+Every method reads the exchanged counts on the host once (a host synchronization on a GPU).
 
 Autograd, with D the dispatch (a linear map of x) and G the grouped GEMM, out = G(D(x), weight):
   grad_x      = D^T(grad_out @ weight^T): ``moe_combine`` with unit weights and the transposed
@@ -35,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from . import _common, moe_exchange
+from . import _common, _fused, moe_exchange
 from ._dispatch import dispatched
 from .moe_exchange import Routing
 from .moe_grouped_mm import grouped_mm, grouped_weight_grad
@@ -153,12 +155,25 @@ def _place(dest: Tensor, where: Optional[Tensor], at: List[int], source: int, ro
 def _run(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], num_experts: int, pg, method: str,
          keep_received: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """2-D x [T, H], topk_idx [T, k]: (out, layout, received rows or an empty tensor)."""
+    if method == "fused":
+        return _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received)
     routing = moe_exchange.route(OP, topk_idx, num_experts, pg)
     k = topk_idx.shape[1]
     rows = x[routing.order // k] if k > 1 else x[routing.order]
     out, received = dispatch_rows(OP, rows, routing, weight, pg, method, keep_received)
     kept = received if keep_received and weight is not None else x.new_empty((0,))
     return out, routing.layout, kept
+
+
+def _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received):
+    """The fused method (pyfused/fused/moe.py): its source-major received rows, when it returns
+    them, put in expert-major order here."""
+    out, layout, received = _fused.run(OP, x, topk_idx, weight, num_experts, pg, keep_received)
+    if received is not None:
+        received = moe_exchange.to_expert_major(received, layout)
+    if weight is None:
+        return received, layout, x.new_empty((0,))
+    return out, layout, (received if keep_received else x.new_empty((0,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,3 +473,28 @@ def plain_torch(tensors, pg):
         return torch.cat([torch.cat([blocks[s * local + j] for s in range(world)]) @ weight[j]
                           for j in range(local)])
     return all_to_all_then_expert_loop
+
+
+def virtual_cases():
+    """The fused dispatch -> grouped GEMM on every rank's hook inputs, against the fp64 reference
+    (tests/test_moe_fused.py checks the backward compositions and the routing edge cases)."""
+    from ._hooks import case, in_fp64
+
+    return {OP: case(make_inputs, fused_on_rank, _unfused_all_visible, in_fp64(reference_per_rank),
+                     _flop, blocks_host=True)}
+
+
+def fused_on_rank(pg, x, topk_idx, weight, **kw) -> Tensor:
+    """This rank's ``out`` by the fused implementation (``pg``: a group or a virtual rank)."""
+    x2, idx2 = _flat(x, topk_idx)
+    experts = comm.world_size(pg) * weight.shape[0]
+    return OPS[OP].fused_function()(x2, idx2, weight, experts, pg, False, **kw)[0]
+
+
+def _unfused_all_visible(inputs, rank: int) -> Tensor:
+    return reference_per_rank(inputs)[rank][0].to(inputs[rank][0].dtype)
+
+
+def _flop(world, rows, n, k) -> float:
+    """One rank's GEMM FLOPs on average: rows * TOPK pairs of n x k."""
+    return 2.0 * rows * TOPK * n * (k or n)

@@ -101,16 +101,26 @@ class Routing:
         the same (one rank, or one expert per rank)."""
         if self.world == 1 or self.local_experts == 1:
             return None
-        w, el = self.world, self.local_experts
-        flat = self.layout.reshape(-1)
-        total = sum(self.recv)
-        device = flat.device
-        segment = torch.repeat_interleave(torch.arange(w * el, device=device), flat,
-                                          output_size=total)
-        source_start = flat.cumsum(0) - flat
-        by_expert = self.layout.t().reshape(-1)
-        expert_start = (by_expert.cumsum(0) - by_expert).view(el, w).t().reshape(-1)
-        return expert_start[segment] + torch.arange(total, device=device) - source_start[segment]
+        return expert_major_index(self.layout, sum(self.recv))
+
+
+def expert_major_index(layout: Tensor, total: int) -> Tensor:
+    """[total]: the expert-major position of each of the ``total`` source-major rows that
+    ``layout [W, E_l]`` describes (computed on the layout's device)."""
+    w, el = layout.shape
+    flat = layout.reshape(-1)
+    device = flat.device
+    segment = torch.repeat_interleave(torch.arange(w * el, device=device), flat, output_size=total)
+    source_start = flat.cumsum(0) - flat
+    by_expert = layout.t().reshape(-1)
+    expert_start = (by_expert.cumsum(0) - by_expert).view(el, w).t().reshape(-1)
+    return expert_start[segment] + torch.arange(total, device=device) - source_start[segment]
+
+
+def to_expert_major(rows: Tensor, layout: Tensor) -> Tensor:
+    """Source-major rows (as an exchange delivers them) -> expert-major order."""
+    index = expert_major_index(layout, rows.shape[0])
+    return rows.new_empty(rows.shape).index_copy_(0, index, rows)
 
 
 def offsets(sizes: List[int]) -> List[int]:

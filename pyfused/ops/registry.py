@@ -157,11 +157,13 @@ OPS: Dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("moe_dispatch", ("x", "topk_idx", "weight"), "all_to_all", False, False, False,
            "x [..., H], topk_idx [..., k], weight [E/W, H, N] or None "
            "-> (out [R, N], layout [W, E/W])",
-           None, (), tuned=False),
+           "pyfused.fused.moe:fused_moe_dispatch", ("pyfused/kernels/grouped_gemm.py",),
+           tuned=False),
     OpSpec("moe_combine", ("y", "topk_weights", "topk_idx", "layout", "weight"), "all_to_all",
            False, False, False,
            "y [R, N], topk_weights [..., k], topk_idx [..., k], layout [W, E/W], "
-           "weight [E/W, N, H] or None -> out [..., H]", None, (), tuned=False),
+           "weight [E/W, N, H] or None -> out [..., H]", "pyfused.fused.moe:fused_moe_combine",
+           ("pyfused/kernels/grouped_gemm.py",), tuned=False),
 )}
 
 

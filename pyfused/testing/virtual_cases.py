@@ -34,6 +34,8 @@ class Case:
     unfused: Callable[[Inputs, int], Tensor]
     reference: Callable[[Inputs], List[Tensor]]
     flop: Callable[[int, int, int, int], float]  # (world, rows, n, k) -> one rank's FLOPs
+    blocks_host: bool = False  # the fused call waits on the host for its peers (a count read):
+    #                            its ranks must be launched from threads of their own
 
 
 def cases(specs: Iterable) -> Dict[str, Case]:
