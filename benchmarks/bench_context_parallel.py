@@ -15,7 +15,8 @@ Rows (``method``):
                   attention kernels)
 Columns: ``time_ms`` the median fwd+bwd (slowest rank per iteration); ``tokens_per_s`` = global
 sequence length / time; ``peak_MB`` the peak of live tensor bytes on this rank during one fwd+bwd
-(``torch.distributed._tools.mem_tracker.MemTracker``: inputs, activations, gradients, buffers);
+(``torch.distributed._tools.mem_tracker.MemTracker``: this rank's q, k, v, and the activations,
+gradients and buffers made during the step);
 ``mem_ratio`` = peak_MB / single device's peak_MB (goal <= 1/cp + 0.1); ``speedup`` = single
 device's time / this row's (goal for ring: >= 1.0 x torch's context_parallel where that runs).
 Rank 0 draws ``context_parallel_memory.png`` (peak MB per rank against sequence length).
@@ -72,16 +73,21 @@ def _fwd_bwd(attention: Callable, tensors) -> Callable[[], None]:
         out.backward(torch.ones_like(out))
         for t in leaves:
             t.grad = None
+    step.inputs = leaves
     return step
 
 
 def peak_bytes(step: Callable[[], None]) -> int:
-    """Peak live tensor bytes during ``step()`` on this rank, or -1 where MemTracker is missing."""
+    """Peak live tensor bytes during ``step()`` on this rank, its inputs (``step.inputs``: q, k, v
+    of this rank) included, or -1 where MemTracker is missing. MemTracker counts a tensor made
+    before it started only when told (``track_external``); otherwise the first view of it inside
+    the step (a slice of q's rows) would count its storage as new."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError:  # pragma: no cover - older torch
         return -1
     tracker = MemTracker()
+    tracker.track_external(*getattr(step, "inputs", ()))
     with tracker:
         step()
     snap = tracker.get_tracker_snapshot("peak")
@@ -125,16 +131,27 @@ def run(ctx: BenchContext) -> List[Dict]:
     return rows
 
 
-def _rows_at(length: int, ctx: BenchContext) -> List[Dict]:
-    cp = ctx.world
+def _steps(length: int, ctx: BenchContext):
+    """(whole q, k, v; fwd + bwd of single-device attention and of each method on this rank)."""
     whole = _inputs(length, ctx)
-    local = [shard_sequence(t, 2, ctx.rank, cp) for t in whole]
+    local = [shard_sequence(t, 2, ctx.rank, ctx.world) for t in whole]
     steps: Dict[str, Callable[[], None]] = {
         "single device": _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True), whole)}
     for method in METHODS:
         steps[method] = _fwd_bwd(lambda q, k, v, m=method: ring_attention(
             q, k, v, ctx.group, method=m), local)
+    return whole, steps
+
+
+def peaks_at(length: int, ctx: BenchContext) -> Dict[str, float]:
+    """Peak bytes per rank of single-device attention and of each method at ``length``."""
+    return {name: peak_bytes(step) for name, step in _steps(length, ctx)[1].items()}
+
+
+def _rows_at(length: int, ctx: BenchContext) -> List[Dict]:
+    cp = ctx.world
+    whole, steps = _steps(length, ctx)
     torch_status = "ok"
     try:
         torch_step = _torch_context_parallel(*whole, ctx)

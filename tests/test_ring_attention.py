@@ -170,3 +170,24 @@ def test_bench_suite_runs(ranks, tmp_path):
     for m in ("single device", "ring", "allgather", "ulysses"):
         assert methods[m] == ("ok", True), methods
     assert methods["torch context_parallel"][0] in ("ok", "unavailable"), methods
+
+
+def _peak_ratios(rank, world, length):
+    """Each method's peak of live tensor bytes on this rank during fwd + bwd, over single-device
+    attention's (the suite's measure, MemTracker), at the suite's shape."""
+    import torch.distributed as dist
+
+    from pyfused.bench.harness import BenchContext
+    from pyfused.benchmarks import bench_context_parallel as suite
+
+    ctx = BenchContext(rank, world, dist.group.WORLD, torch.device("cpu"), "gloo", quick=True,
+                       warmup=0, iters=1)
+    peaks = suite.peaks_at(length, ctx)
+    return {name: peak / peaks["single device"] for name, peak in peaks.items()}
+
+
+def test_ring_memory_per_rank_within_the_goal(ranks):
+    """The goal of the context_parallel suite, at a length a test affords: ring's peak per rank
+    <= 1/cp + 10% of single-device attention's (cp = 2)."""
+    for ratios in ranks.run(2, _peak_ratios, 1024, timeout=TIMEOUT):
+        assert ratios["ring"] <= 0.5 + 0.1, ratios

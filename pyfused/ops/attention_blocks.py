@@ -17,12 +17,16 @@ Each rectangle runs on one of two paths:
     softcapping (``cap * tanh(score / cap)``, Gemma 2), which no torch kernel applies, and for other
     devices.
 
-Partial results are merged in fp32 (``merge_into``): with L = logaddexp(L1, L2),
+Partial results are merged in place, in fp32 (``merge_into``): with L = logaddexp(L1, L2),
 out = out1 * exp(L1 - L) + out2 * exp(L2 - L). The backward of a rectangle takes the *final* out
 and log-sum-exp of its query rows, so the probabilities it recomputes, exp(s - L), are the global
 ones and the per-rectangle gradients add up to the exact gradient (as FlashAttention's backward).
-Grouped-query attention: keys and values are expanded to the query heads for the compute
-(``expand_heads``) and their gradients summed back over each group (``sum_heads``).
+
+Memory: keys and values keep their Hkv heads (grouped-query attention). The CPU kernel maps each
+query head to its key/value head itself and returns dK/dV with Hkv heads; the explicit path views
+the queries as [B, Hkv, Hq / Hkv, rows, D] and broadcasts the keys over the group. The first
+rectangle that covers every query row (every key row) becomes the result (the dK/dV) as the
+kernel returned it, so a rank holds no zero-filled accumulator beside the kernel's output.
 """
 from __future__ import annotations
 
@@ -79,12 +83,13 @@ def _kind(q: Chunk, k: Chunk, mask: Mask) -> Optional[str]:
     return MASKED
 
 
-def plan_blocks(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], mask: Mask) -> List[Block]:
+def plan_blocks(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], mask: Mask,
+                join_queries: bool = True) -> List[Block]:
     """The rectangles of (queries x keys) to compute, few and large: one CAUSAL rectangle when the
     queries are the keys in increasing position order, stored contiguously; else per query chunk,
-    the FULL key chunks adjacent in storage joined into one rectangle; then query chunks with the
-    same key rectangles joined where they are adjacent in storage. Other kinds stay one chunk by
-    one chunk, which bounds the explicit masks to a chunk's square."""
+    the FULL key chunks adjacent in storage joined into one rectangle; then (``join_queries``)
+    query chunks with the same key rectangles joined where they are adjacent in storage. Other
+    kinds stay one chunk by one chunk, which bounds the explicit masks to a chunk's square."""
     if (mask.causal and not mask.window and list(q_chunks) == list(k_chunks)
             and all(a.end <= b.start for a, b in zip(q_chunks, q_chunks[1:]))):
         total = sum(c.length for c in q_chunks)
@@ -107,7 +112,7 @@ def plan_blocks(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], mask: Mask
             else:
                 blocks.append(Block(q.offset, q.length, k.offset, k.length, kind, q.start, k.start))
         per_query.append(blocks)
-    return _join_query_runs(per_query)
+    return _join_query_runs(per_query) if join_queries else [b for bs in per_query for b in bs]
 
 
 def _join_query_runs(per_query: List[List[Block]]) -> List[Block]:
@@ -161,12 +166,12 @@ def _flash_mask(block: Block, mask: Mask, dtype, device) -> Tuple[Optional[Tenso
 
 
 def _rows(t: Tensor, offset: int, length: int) -> Tensor:
-    return t[:, :, offset:offset + length]
+    return t if offset == 0 and length == t.shape[2] else t[:, :, offset:offset + length]
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, block: Block, mask: Mask) -> Tuple[Tensor, Tensor]:
-    """(out [B, H, q_len, D] in the math dtype, lse [B, H, q_len]) of one rectangle; ``k``/``v``
-    already have q's heads. A row that sees no key has lse -inf and out 0."""
+    """(out [B, Hq, q_len, D] in the math dtype, lse [B, Hq, q_len]) of one rectangle; ``k``/``v``
+    have Hkv heads. A row that sees no key has lse -inf and out 0."""
     qb, kb, vb = (_rows(q, block.q_offset, block.q_len), _rows(k, block.k_offset, block.k_len),
                   _rows(v, block.k_offset, block.k_len))
     if _use_flash(q, mask):
@@ -179,9 +184,20 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, block: Block, mask: Mask) -> 
     return _math_forward(qb, kb, vb, block, mask)
 
 
+def _grouped(t: Tensor, kv_heads: int) -> Tensor:
+    """[B, Hq, rows, ...] -> the view [B, Hkv, Hq / Hkv, rows, ...]: query head h uses key/value
+    head h // (Hq / Hkv), as a key/value head repeated for its group would."""
+    return t.view(t.shape[0], kv_heads, t.shape[1] // kv_heads, *t.shape[2:])
+
+
+def _ungrouped(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
+
+
 def _scores(qt: Tensor, kb: Tensor, block: Block, rows: slice, mask: Mask) -> Tuple[Tensor, Optional[Tensor]]:
-    """(scores of query tile ``rows`` in the math dtype, masked to -inf; tanh of the softcap)."""
-    s = torch.matmul(qt, kb.transpose(-1, -2)) * mask.scale
+    """(scores [B, Hkv, G, rows, keys] of the grouped query tile ``qt`` [B, Hkv, G, rows, D] in
+    the math dtype, masked to -inf; tanh of the softcap)."""
+    s = torch.matmul(qt, kb.unsqueeze(2).transpose(-1, -2)) * mask.scale
     tanh = None
     if mask.softcap:
         tanh = torch.tanh(s / mask.softcap)
@@ -199,22 +215,22 @@ def _tiles(n: int):
 
 
 def _math_forward(qb, kb, vb, block: Block, mask: Mask) -> Tuple[Tensor, Tensor]:
-    dt = math_dtype(qb.dtype)
+    dt, kv_heads = math_dtype(qb.dtype), kb.shape[1]
     kb, vb = kb.to(dt), vb.to(dt)
     outs, lses = [], []
     for rows in _tiles(block.q_len):
-        s, _ = _scores(qb[:, :, rows].to(dt), kb, block, rows, mask)
+        s, _ = _scores(_grouped(qb[:, :, rows].to(dt), kv_heads), kb, block, rows, mask)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows seeing no key: -inf - -inf
-        outs.append(torch.matmul(p, vb))
-        lses.append(lse.to(torch.float32))
+        outs.append(_ungrouped(torch.matmul(p, vb.unsqueeze(2))))
+        lses.append(_ungrouped(lse.to(torch.float32)))
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    block: Block, mask: Mask) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one rectangle, in the math dtype, given the final ``out`` and ``lse`` of the
-    query rows (module docstring); ``k``/``v`` already have q's heads."""
+    query rows (module docstring); ``k``/``v`` (and dk/dv) have Hkv heads."""
     rows_q = (block.q_offset, block.q_len)
     rows_k = (block.k_offset, block.k_len)
     qb, kb, vb = _rows(q, *rows_q), _rows(k, *rows_k), _rows(v, *rows_k)
@@ -222,7 +238,7 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     if _use_flash(q, mask):
         bias, _ = _flash_mask(block, mask, q.dtype, q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob.contiguous(), qb, kb, vb, ob.contiguous(), lb, 0.0, block.kind == CAUSAL,
+            dob, qb, kb, vb, ob, lb, 0.0, block.kind == CAUSAL,  # row views: the kernel takes strides
             attn_mask=bias, scale=mask.scale)
         dt = math_dtype(q.dtype)
         return dq.to(dt), dk.to(dt), dv.to(dt)
@@ -230,75 +246,91 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 
 def _math_backward(dob, qb, kb, vb, ob, lb, block: Block, mask: Mask):
-    dt = math_dtype(qb.dtype)
+    dt, kv_heads = math_dtype(qb.dtype), kb.shape[1]
     kb, vb = kb.to(dt), vb.to(dt)
     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
     dqs = []
     for rows in _tiles(block.q_len):
-        qt, do = qb[:, :, rows].to(dt), dob[:, :, rows].to(dt)
+        qt = _grouped(qb[:, :, rows].to(dt), kv_heads)
+        do = _grouped(dob[:, :, rows].to(dt), kv_heads)
         s, tanh = _scores(qt, kb, block, rows, mask)
-        p = torch.exp(s - lb[:, :, rows].to(dt).unsqueeze(-1))
-        dv += torch.matmul(p.transpose(-1, -2), do)
-        dp = torch.matmul(do, vb.transpose(-1, -2))
-        delta = (do * ob[:, :, rows].to(dt)).sum(dim=-1, keepdim=True)
+        p = torch.exp(s - _grouped(lb[:, :, rows].to(dt), kv_heads).unsqueeze(-1))
+        dv += torch.matmul(p.flatten(2, 3).transpose(-1, -2), do.flatten(2, 3))  # sum over the group
+        dp = torch.matmul(do, vb.unsqueeze(2).transpose(-1, -2))
+        delta = (do * _grouped(ob[:, :, rows].to(dt), kv_heads)).sum(dim=-1, keepdim=True)
         ds = p * (dp - delta)
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)
         ds = ds * mask.scale
-        dqs.append(torch.matmul(ds, kb))
-        dk += torch.matmul(ds.transpose(-1, -2), qt)
+        dqs.append(_ungrouped(torch.matmul(ds, kb.unsqueeze(2))))
+        dk += torch.matmul(ds.flatten(2, 3).transpose(-1, -2), qt.flatten(2, 3))
     return torch.cat(dqs, dim=2), dk, dv
 
 
 def merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
     """out, lse (the running result of some query rows, math dtype / fp32) <- merged with a
-    partial result over other keys, in place."""
+    partial result over other keys, in place (``part_out`` is scaled in place too)."""
     new = torch.logaddexp(lse, part_lse)
     old_w = torch.exp(lse - new).nan_to_num_(0.0).unsqueeze(-1)  # -inf - -inf: no keys yet
     part_w = torch.exp(part_lse - new).nan_to_num_(0.0).unsqueeze(-1)
-    out.mul_(old_w.to(out.dtype)).add_(part_out * part_w.to(out.dtype))
+    out.mul_(old_w.to(out.dtype)).add_(part_out.mul_(part_w.to(out.dtype)))
     lse.copy_(new)
 
 
-def expand_heads(t: Tensor, heads: int) -> Tensor:
-    """[B, Hkv, S, D] -> [B, heads, S, D], each key/value head repeated for its group of queries."""
-    groups = heads // t.shape[1]
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def sum_heads(t: Tensor, kv_heads: int) -> Tensor:
-    """The gradient of ``expand_heads``: [B, H, S, D] -> [B, kv_heads, S, D]."""
-    b, h, s, d = t.shape
-    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+def _covers(offset: int, length: int, total: int) -> bool:
+    return offset == 0 and length == total
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk],
-           mask: Mask, out: Tensor, lse: Tensor) -> None:
-    """Merge into (out, lse) the attention of ``q`` over these keys (k/v with kv heads)."""
-    heads = q.shape[1]
-    k, v = expand_heads(k, heads), expand_heads(v, heads)
+           mask: Mask, out: Optional[Tensor] = None, lse: Optional[Tensor] = None
+           ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(out, lse) merged with the attention of ``q`` over these keys (k/v with Hkv heads). With
+    ``out`` None the first rectangle covering every query row becomes the result; (None, None)
+    while no key is visible."""
     for block in plan_blocks(q_chunks, k_chunks, mask):
         part_out, part_lse = block_forward(q, k, v, block, mask)
+        if out is None and _covers(block.q_offset, block.q_len, q.shape[2]):
+            out, lse = part_out, part_lse
+            continue
+        if out is None:
+            out, lse = empty_result(q)
         rows = slice(block.q_offset, block.q_offset + block.q_len)
         merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+    return out, lse
+
+
+def empty_result(q: Tensor) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of query rows that have seen no key yet."""
+    out = torch.zeros(q.shape, dtype=math_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _add_rows(total: Optional[Tensor], part: Tensor, offset: int, like: Tensor) -> Tensor:
+    """``total`` (None: not allocated yet) + ``part`` at rows offset.. of dim 2; ``part`` itself
+    when it covers every row of ``like``."""
+    if total is None and _covers(offset, part.shape[2], like.shape[2]):
+        return part
+    if total is None:
+        total = torch.zeros(like.shape, dtype=part.dtype, device=part.device)
+    total[:, :, offset:offset + part.shape[2]] += part
+    return total
 
 
 def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], mask: Mask,
-                    dq: Tensor, dkv: Tensor) -> None:
-    """Add into dq [B, H, Sq, D] and dkv [2, B, Hkv, Sk, D] (math dtype) the gradients of the
-    attention of ``q`` over these keys."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    k, v = expand_heads(k, heads), expand_heads(v, heads)
-    blocks = plan_blocks(q_chunks, k_chunks, mask)
-    if not blocks:
-        return
-    dk = torch.zeros(k.shape, dtype=dq.dtype, device=dq.device)
-    dv = torch.zeros_like(dk)
-    for block in blocks:
+                    dq: Optional[Tensor] = None, dkv: Optional[Tuple[Tensor, Tensor]] = None
+                    ) -> Tuple[Optional[Tensor], Optional[Tuple[Tensor, Tensor]]]:
+    """(dq, (dk, dv)) with the gradients of the attention of ``q`` over these keys added: with
+    respect to q into ``dq`` and to the keys (Hkv heads) into ``dkv``, in place, in the math dtype.
+    None stands for a gradient not allocated yet (it stays None while no key is visible). With
+    ``dq`` allocated, each query chunk is a kernel call of its own, so the kernel's dq of one call
+    (a temporary) is one chunk's rows, not the rank's."""
+    dk, dv = (None, None) if dkv is None else dkv
+    for block in plan_blocks(q_chunks, k_chunks, mask, join_queries=dq is None):
         bq, bk, bv = block_backward(dout, q, k, v, out, lse, block, mask)
-        dq[:, :, block.q_offset:block.q_offset + block.q_len] += bq
-        dk[:, :, block.k_offset:block.k_offset + block.k_len] += bk
-        dv[:, :, block.k_offset:block.k_offset + block.k_len] += bv
-    dkv[0] += sum_heads(dk, kv_heads)
-    dkv[1] += sum_heads(dv, kv_heads)
+        dq = _add_rows(dq, bq, block.q_offset, q)
+        dk = _add_rows(dk, bk, block.k_offset, k)
+        dv = _add_rows(dv, bv, block.k_offset, v)
+        del bq, bk, bv
+    return dq, (None if dk is None else (dk, dv))

@@ -21,7 +21,7 @@ failure of a peer is raised as ``PeerFailure`` by the caller's ``names_failures`
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,122 +29,151 @@ from torch import Tensor
 
 from .. import comm
 from ..comm.faults import fault_point, transfer_timeout
-from .attention_blocks import Chunk, Mask, attend, attend_backward, math_dtype
+from .attention_blocks import Chunk, Mask, attend, attend_backward, empty_result, math_dtype
 from .sequence_shards import local_chunks, shard_positions
 
-KV_TAG, DKV_TAG = 71, 72  # the p2p tags of K/V blocks and of their gradient accumulators
+K_TAG, V_TAG, DK_TAG, DV_TAG = 71, 72, 73, 74  # the p2p tags of K/V blocks and of their gradients
 
 
-def _empty_result(q: Tensor) -> Tuple[Tensor, Tensor]:
-    out = torch.zeros(q.shape, dtype=math_dtype(q.dtype), device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
-
-
-def _ring_exchange(send: Tensor, recv: Tensor, pg, tag: int) -> List[dist.Work]:
-    """Post: ``send`` to the next rank, ``recv`` from the previous one."""
+def _ring_exchange(send: Sequence[Tensor], recv: Sequence[Tensor], pg, tags: Sequence[int]
+                   ) -> List[dist.Work]:
+    """Post: each of ``send`` to the next rank, each of ``recv`` from the previous one."""
     r, w = comm.rank(pg), comm.world_size(pg)
-    return dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, comm.global_rank(pg, (r + 1) % w), pg, tag),
-        dist.P2POp(dist.irecv, recv, comm.global_rank(pg, (r - 1) % w), pg, tag),
-    ])
+    nxt, prev = comm.global_rank(pg, (r + 1) % w), comm.global_rank(pg, (r - 1) % w)
+    ops = [dist.P2POp(dist.isend, t, nxt, pg, tag) for t, tag in zip(send, tags)]
+    ops += [dist.P2POp(dist.irecv, t, prev, pg, tag) for t, tag in zip(recv, tags)]
+    return dist.batch_isend_irecv(ops)
 
 
 def _wait(works: List[dist.Work], pg, device) -> None:
+    """Wait for ``works`` and empty the list: a transfer holds its tensors until it is dropped."""
     timeout = transfer_timeout(pg, device)
     for work in works:
         work.wait(timeout)
+    works.clear()
+
+
+def _buffers(like: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    """Contiguous tensors of the shapes and dtypes of ``like``: what a transfer receives into."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like)
+
+
+def _result(out: Optional[Tensor], lse: Optional[Tensor], q: Tensor) -> Tuple[Tensor, Tensor]:
+    if out is None:  # no key visible to any row (not reached under the supported masks)
+        out, lse = empty_result(q)
+    return out.to(q.dtype), lse
 
 
 # ---- ring ----------------------------------------------------------------------------------------
+# The block held at step i is rank (r - i)'s; rank r's own k, v are sent as they are (copied only
+# when not contiguous), and a received block is dropped once passed on, so a rank holds at most two
+# K/V blocks besides its own (one at W = 2).
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, pg, layout: str, mask: Mask) -> Tuple[Tensor, Tensor]:
     w, r, s = comm.world_size(pg), comm.rank(pg), q.shape[2]
     q_chunks = local_chunks(r, w, s, layout)
-    out, lse = _empty_result(q)
-    held = torch.stack([k, v])
-    spare = torch.empty_like(held) if w > 1 else None
+    out = lse = None
+    held = (k.contiguous(), v.contiguous())  # what a transfer sends must be contiguous
     for step in range(w):
-        pending = _ring_exchange(held, spare, pg, KV_TAG) if step < w - 1 else []
+        incoming = _buffers(held) if step < w - 1 else ()
+        pending = _ring_exchange(held, incoming, pg, (K_TAG, V_TAG)) if incoming else []
         fault_point("ring_attention.ring:step")
-        attend(q, held[0], held[1], q_chunks, local_chunks((r - step) % w, w, s, layout), mask,
-               out, lse)
+        out, lse = attend(q, *held, q_chunks, local_chunks((r - step) % w, w, s, layout), mask,
+                          out, lse)
         _wait(pending, pg, q.device)
-        if pending:
-            held, spare = spare, held
-    return out.to(q.dtype), lse
+        held = incoming
+    return _result(out, lse, q)
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pg,
                   layout: str, mask: Mask) -> Tuple[Tensor, Tensor, Tensor]:
+    """dK/dV of the block held travel one step behind it: the accumulator of rank j's block
+    arrives from the previous rank, takes this rank's part in place and is passed on, so after W
+    steps it reaches rank j with every rank's part. A step waits for its accumulator (and for the
+    previous one to leave) before its attention, so a rank holds two accumulators at most; the
+    K/V transfer still overlaps the attention."""
     w, r, s = comm.world_size(pg), comm.rank(pg), q.shape[2]
     q_chunks = local_chunks(r, w, s, layout)
     dt = math_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    held = torch.stack([k, v])
-    spare = torch.empty_like(held) if w > 1 else None
-    incoming, pending_dkv = None, []
+    dq = acc = None  # acc: the dK/dV accumulator of the block held
+    held, pending_dkv = (k.contiguous(), v.contiguous()), []
     for step in range(w):
-        pending_kv = _ring_exchange(held, spare, pg, KV_TAG) if step < w - 1 else []
+        incoming = _buffers(held) if step < w - 1 else ()
+        pending_kv = _ring_exchange(held, incoming, pg, (K_TAG, V_TAG)) if incoming else []
         fault_point("ring_attention.ring:step")
-        part = torch.zeros((2, *k.shape), dtype=dt, device=q.device)
-        attend_backward(dout, q, held[0], held[1], out, lse, q_chunks,
-                        local_chunks((r - step) % w, w, s, layout), mask, dq, part)
-        _wait(pending_dkv, pg, q.device)  # the accumulator of the block held, from the previous rank
-        acc = part if incoming is None else incoming.add_(part)
+        _wait(pending_dkv, pg, q.device)
+        dq, acc = attend_backward(dout, q, *held, out, lse, q_chunks,
+                                  local_chunks((r - step) % w, w, s, layout), mask, dq, acc)
+        if acc is None:  # this rank sees no key of the block held, and is its first visitor
+            acc = (torch.zeros(k.shape, dtype=dt, device=q.device),
+                   torch.zeros(v.shape, dtype=dt, device=q.device))
         if w > 1:
-            incoming = torch.empty_like(acc)
-            pending_dkv = _ring_exchange(acc, incoming, pg, DKV_TAG)
-        else:
-            incoming = acc
+            sending = tuple(t.contiguous() for t in acc)
+            acc = _buffers(sending)
+            pending_dkv = _ring_exchange(sending, acc, pg, (DK_TAG, DV_TAG))
+            del sending  # held by its transfer until waited for
         _wait(pending_kv, pg, q.device)
-        if pending_kv:
-            held, spare = spare, held
-    _wait(pending_dkv, pg, q.device)  # this rank's own block, with every rank's contribution
-    return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype)
+        held = incoming
+    _wait(pending_dkv, pg, q.device)  # this rank's own block, with every rank's part
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
 
 
 # ---- allgather ------------------------------------------------------------------------------------
 
-def _gather_kv(k: Tensor, v: Tensor, pg) -> Tuple[Tensor, dist.Work]:
-    held = torch.stack([k, v]).unsqueeze(0)
-    gathered = held.new_empty((comm.world_size(pg), *held.shape[1:]))
-    return gathered, comm.all_gather_single(gathered, held, group=pg, async_op=True)
+def _gather(t: Tensor, pg) -> Tuple[Tensor, dist.Work]:
+    """[W, *t.shape]: every rank's ``t`` (asynchronous)."""
+    gathered = t.new_empty((comm.world_size(pg), *t.shape))
+    return gathered, comm.all_gather_single(gathered, t.contiguous().unsqueeze(0), group=pg,
+                                            async_op=True)
 
 
 def allgather_forward(q: Tensor, k: Tensor, v: Tensor, pg, layout: str, mask: Mask
                       ) -> Tuple[Tensor, Tensor]:
     w, r, s = comm.world_size(pg), comm.rank(pg), q.shape[2]
     q_chunks = local_chunks(r, w, s, layout)
-    out, lse = _empty_result(q)
-    gathered, work = _gather_kv(k, v, pg)
-    attend(q, k, v, q_chunks, q_chunks, mask, out, lse)  # own block while the others arrive
+    (ks, k_work), (vs, v_work) = _gather(k, pg), _gather(v, pg)
+    out, lse = attend(q, k, v, q_chunks, q_chunks, mask)  # own block while the others arrive
     fault_point("ring_attention.allgather:wait")
-    work.wait()
+    k_work.wait()
+    v_work.wait()
     for src in range(w):
         if src != r:
-            attend(q, gathered[src, 0], gathered[src, 1], q_chunks, local_chunks(src, w, s, layout),
-                   mask, out, lse)
-    return out.to(q.dtype), lse
+            out, lse = attend(q, ks[src], vs[src], q_chunks, local_chunks(src, w, s, layout), mask,
+                              out, lse)
+    return _result(out, lse, q)
 
 
 def allgather_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pg,
                        layout: str, mask: Mask) -> Tuple[Tensor, Tensor, Tensor]:
+    """dK/dV of every rank's block, reduce-scattered to their owners."""
     w, r, s = comm.world_size(pg), comm.rank(pg), q.shape[2]
     q_chunks = local_chunks(r, w, s, layout)
     dt = math_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    dkv_all = torch.zeros((w, 2, *k.shape), dtype=dt, device=q.device)
-    gathered, work = _gather_kv(k, v, pg)
-    attend_backward(dout, q, k, v, out, lse, q_chunks, q_chunks, mask, dq, dkv_all[r])
-    work.wait()
+    (ks, k_work), (vs, v_work) = _gather(k, pg), _gather(v, pg)
+    dkv_all = torch.zeros((2, w, *k.shape), dtype=dt, device=q.device)
+
+    def keep(src: int, part) -> None:
+        if part is not None:
+            dkv_all[0, src], dkv_all[1, src] = part
+
+    dq, part = attend_backward(dout, q, k, v, out, lse, q_chunks, q_chunks, mask)
+    keep(r, part)
+    k_work.wait()
+    v_work.wait()
     for src in range(w):
         if src != r:
-            attend_backward(dout, q, gathered[src, 0], gathered[src, 1], out, lse, q_chunks,
-                            local_chunks(src, w, s, layout), mask, dq, dkv_all[src])
-    dkv = torch.empty_like(dkv_all[:1])
-    comm.reduce_scatter_single(dkv, dkv_all, group=pg)
-    return dq.to(q.dtype), dkv[0, 0].to(k.dtype), dkv[0, 1].to(v.dtype)
+            dq, part = attend_backward(dout, q, ks[src], vs[src], out, lse, q_chunks,
+                                       local_chunks(src, w, s, layout), mask, dq)
+            keep(src, part)
+    del part, ks, vs
+    dk, dv = torch.empty_like(dkv_all[0, :1]), torch.empty_like(dkv_all[1, :1])
+    comm.reduce_scatter_single(dk, dkv_all[0], group=pg)
+    comm.reduce_scatter_single(dv, dkv_all[1], group=pg)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    return dq.to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype)
 
 
 # ---- ulysses --------------------------------------------------------------------------------------
@@ -191,9 +220,9 @@ def ulysses_forward(q: Tensor, k: Tensor, v: Tensor, pg, layout: str, mask: Mask
     to_global, stored, chunks = _global_order(pg, q.shape[2], layout, q.device)
     qh, kh, vh = _heads_in_order((q, k, v), pg, to_global)
     fault_point("ring_attention.ulysses:attend")
-    out, lse = _empty_result(qh)
-    attend(qh, kh, vh, chunks, chunks, mask, out, lse)
-    out = _to_sequence(out.to(q.dtype).index_select(2, stored), pg)
+    out, lse = _result(*attend(qh, kh, vh, chunks, chunks, mask), qh)
+    del qh, kh, vh
+    out = _to_sequence(out.index_select(2, stored), pg)
     lse = _to_sequence(lse.index_select(2, stored).unsqueeze(-1), pg).squeeze(-1)
     return out, lse
 
@@ -203,10 +232,9 @@ def ulysses_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     to_global, stored, chunks = _global_order(pg, q.shape[2], layout, q.device)
     qh, kh, vh, oh, doh = _heads_in_order((q, k, v, out, dout), pg, to_global)
     lh = _heads_in_order((lse.unsqueeze(-1),), pg, to_global)[0].squeeze(-1)
-    dt = math_dtype(q.dtype)
-    dq = torch.zeros(qh.shape, dtype=dt, device=q.device)
-    dkv = torch.zeros((2, *kh.shape), dtype=dt, device=q.device)
-    attend_backward(doh, qh, kh, vh, oh, lh, chunks, chunks, mask, dq, dkv)
+    # every row sees itself under every supported mask, so dq and dK/dV are never None here
+    dq, dkv = attend_backward(doh, qh, kh, vh, oh, lh, chunks, chunks, mask)
+    del qh, kh, vh, oh, doh, lh
     back = [_to_sequence(g.to(t.dtype).index_select(2, stored), pg)
             for g, t in ((dq, q), (dkv[0], k), (dkv[1], v))]
     return back[0], back[1], back[2]
