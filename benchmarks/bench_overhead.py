@@ -1,12 +1,14 @@
 """Per-call overhead of every op and method against the same work written in plain torch.
 
 At latency-bound shapes (a few rows: the host's per-call work is what the time is made of) each op
-of the registry (pyfused/ops/registry.py) runs with methods unfused, decomposed, fused and auto, and
+of the registry (pyfused/ops/registry.py) runs with each of its methods (``OpSpec.methods``:
+unfused, decomposed and fused for most; ring, allgather and ulysses for ring_attention) and auto, and
 beside it, in the same run and on the same inputs, the plain-torch program a user would write
 (the op's ``plain_torch`` hook): ``a @ b`` plus the torch.distributed collective
 (all_gather_single then the GEMM; the GEMM then all_reduce or reduce_scatter_single), and for
 all_reduce_add_rmsnorm ``all_reduce``, ``+`` and ``torch.nn.functional.rms_norm``, for the MoE ops
-``all_to_all_single`` with split sizes and a GEMM per expert. At world
+``all_to_all_single`` with split sizes and a GEMM per expert, for ring_attention an all-gather of K/V
+and ``scaled_dot_product_attention`` with the causal mask of the rows. At world
 size 1 the plain program is the computation alone (the ops skip the collective of a one-rank
 group, so they are held to the stricter baseline).
 
@@ -23,9 +25,9 @@ reference. On CPU each rank's main thread is pinned to its own core while the su
 (``_pinned_to_own_core``). Validation runs in the mode the process has (``--no-validate`` sets
 "off"); the first call of every variant is untimed, so mode "first" is measured in its steady
 state, where a call is found in the plan cache (``plan_cache`` names its implementation: C++ where
-pyfused._C is built). One more row per shape, ``unfused, validate=always``, times ``unfused`` and
-plain torch again with the cross-rank check run on every call: what the check costs where mode
-"first" skips it.
+pyfused._C is built). One more row per shape, ``<first method>, validate=always`` (``unfused,
+validate=always`` for most ops), times the op's first method and plain torch again with the
+cross-rank check run on every call: what the check costs where mode "first" skips it.
 
 On a GPU the timed calls also wait for their kernels, so host overhead hides behind GPU time there;
 ``host_us`` is then measured apart: the host's time per call while a sleep kernel queued first
@@ -51,8 +53,6 @@ from pyfused.ops import _common
 from pyfused.ops.registry import OPS
 
 MULTI_RANK = True
-METHODS = ("unfused", "decomposed", "fused", "auto")
-CHECKED = "unfused, validate=always"  # the row of the check's own cost
 # Per-rank (rows, K, N) of the GEMM ops, (rows, hidden) of the others (whose inputs their
 # ``make_inputs`` hook builds).
 GEMM_SHAPES = {"cpu": [(16, 256, 256), (64, 512, 512)], "cuda": [(16, 4096, 4096), (128, 8192, 1024)]}
@@ -143,10 +143,12 @@ def _stats(times: Dict[str, List[float]], name: str) -> Dict[str, float]:
 def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     world = comm.world_size(pg)
     tensors, label, dtype = _inputs(op, shape, world, ctx)
-    fn = OPS[op].function
+    fn, methods = OPS[op].function, (*OPS[op].methods, "auto")
+    first = OPS[op].methods[0]
+    checked_name = checked_row(op)  # the row of the check's own cost
     variants: Dict[str, Callable[[], object]] = {"torch": OPS[op].plain_torch(tensors, pg)}
     unavailable: Dict[str, str] = {}
-    for method in METHODS:
+    for method in methods:
         call = (lambda m=method: fn(*tensors, group=pg, method=m))
         try:
             call()  # the first call validates (mode "first" remembers it); raised on every rank alike
@@ -159,15 +161,15 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     times = _time_per_call(variants, ctx, pg, samples, calls)
     host = (_host_us_per_call(variants, pg, samples, calls) if ctx.device.type == "cuda"
             else {name: statistics.median(t) for name, t in times.items()})
-    checked = _checked_every_call(variants, ctx, pg, samples, calls)
+    checked = _checked_every_call(variants, first, ctx, pg, samples, calls)
     transport = ctx.transport if world > 1 else "none"
     rows = []
-    for method in ("torch", *METHODS, CHECKED):
+    for method in ("torch", *methods, checked_name):
         common = dict(shape=label, dtype=dtype, transport=transport, op=op, world_size=world,
-                      validate="always" if method == CHECKED else comm.validation_mode(),
+                      validate="always" if method == checked_name else comm.validation_mode(),
                       plan_cache=plans.IMPLEMENTATION)
-        if method == CHECKED:
-            figures = _stats(checked, "unfused")
+        if method == checked_name:
+            figures = _stats(checked, first)
             rows.append(op_row(ctx, method=method, ms=figures["us_per_call"] / 1e3, **figures,
                                host_us=figures["us_per_call"],
                                host_over_torch_us=figures["us_per_call"] - figures["torch_us"],
@@ -184,14 +186,19 @@ def _op_rows(op: str, shape, ctx: BenchContext, pg) -> List[dict]:
     return rows
 
 
-def _checked_every_call(variants: Dict[str, Callable[[], object]], ctx: BenchContext, pg,
-                        samples: int, calls: int) -> Dict[str, List[float]]:
-    """Plain torch and ``unfused`` again, in rounds, in validation mode "always": what the
+def checked_row(op: str) -> str:
+    """The name of the row that times ``op``'s first method with the check on every call."""
+    return f"{OPS[op].methods[0]}, validate=always"
+
+
+def _checked_every_call(variants: Dict[str, Callable[[], object]], method: str, ctx: BenchContext,
+                        pg, samples: int, calls: int) -> Dict[str, List[float]]:
+    """Plain torch and ``method`` again, in rounds, in validation mode "always": what the
     cross-rank check costs when it runs on every call (mode "first" runs it once per signature)."""
     mode = comm.validation_mode()
     comm.set_validation("always")  # this process only: every rank of ``pg`` runs this alike
     try:
-        return _time_per_call({name: variants[name] for name in ("torch", "unfused")}, ctx, pg,
+        return _time_per_call({name: variants[name] for name in ("torch", method)}, ctx, pg,
                               samples, calls)
     finally:
         comm.set_validation(mode)

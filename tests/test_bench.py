@@ -180,9 +180,8 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = json.loads((out / "overhead.json").read_text())
     seen = {(row["op"], row["world_size"], row["method"]) for row in rows}
-    assert seen == {(op, w, m) for op in OPS for w in (1, 2)
-                    for m in ("torch", "unfused", "decomposed", "fused", "auto",
-                              "unfused, validate=always")}
+    assert seen == {(op, w, m) for op, spec in OPS.items() for w in (1, 2)
+                    for m in ("torch", *spec.methods, "auto", f"{spec.methods[0]}, validate=always")}
     for row in rows:
         if row["method"] == "fused":
             assert row["status"] == "unavailable" and row["time_ms"] is None

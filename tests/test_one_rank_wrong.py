@@ -36,7 +36,7 @@ def _op_args(op: str, rank: int, case: str):
     The inputs are the op's own (its ``make_inputs`` hook); the group is passed by keyword."""
     wrong = rank == WRONG_RANK
     tensors = list(OPS[op].make_inputs(WORLD, 2, 5, 4, seed=0)[rank])
-    kwargs = {"method": "unfused"}
+    kwargs = {"method": OPS[op].methods[0]}
     kwargs["group"] = _group_without_wrong_rank() if case == "group" and wrong else None
     if wrong and case == "method":
         kwargs["method"] = "fastest"

@@ -170,7 +170,7 @@ def _repeats_match_first_calls(rank, world, implementation):
         for name, spec in ops_table.items():
             # leading dims (3, 2): the N-D path too
             inputs = spec.make_inputs(world, (3, 2), 7, 6, seed=11)[rank]
-            for method in ("unfused", "decomposed", "auto"):
+            for method in (*spec.everywhere_methods, "auto"):
                 for grad in (False, True):
                     results = []
                     for _ in range(3):

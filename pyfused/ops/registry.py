@@ -52,6 +52,7 @@ class OpSpec:
     name: str
     inputs: Tuple[str, ...]   # the tensor arguments, in call order
     collective: str           # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
+                              # | "p2p" (sends and receives between neighbours)
     scatters_dim0: bool       # the result is this rank's rows of dim 0 (dim 0 divisible by W)
     chunked: bool             # the decomposed method takes ``chunks=`` (row pieces)
     gemm: bool                # a @ b with a [d0, ..., K], b [K, N]; else x [..., H] + weight [H]
@@ -63,6 +64,8 @@ class OpSpec:
     module: str = ""          # the module of the op and its hooks; "" means pyfused.ops.<name>
     tuned: bool = True        # ``python -m pyfused.tune`` measures it (its inputs: a and b, or x
                               # and a weight [H]); False: ``auto`` is the op's own size rule
+    methods: Tuple[str, ...] = ("unfused", "decomposed", "fused")  # ``method=`` values besides
+                              # "auto"; the first is the plain one the drivers call by default
 
     def __post_init__(self):
         if not self.module:
@@ -130,6 +133,11 @@ class OpSpec:
         return _import(self.peers) if self.peers else None
 
     @property
+    def everywhere_methods(self) -> Tuple[str, ...]:
+        """The methods that run on every device (all but ``fused``)."""
+        return tuple(m for m in self.methods if m != "fused")
+
+    @property
     def tune_shape_inputs(self) -> Tuple[int, int]:
         """Which two inputs' shapes key a tuned entry (a and b; x and weight)."""
         return (0, 1) if self.gemm else (0, 2)
@@ -164,6 +172,9 @@ OPS: Dict[str, OpSpec] = {s.name: s for s in (
            "y [R, N], topk_weights [..., k], topk_idx [..., k], layout [W, E/W], "
            "weight [E/W, N, H] or None -> out [..., H]", "pyfused.fused.moe:fused_moe_combine",
            ("pyfused/kernels/grouped_gemm.py",), tuned=False),
+    OpSpec("ring_attention", ("q", "k", "v"), "p2p", False, False, False,
+           "q [B, Hq, S/W, D], k [B, Hkv, S/W, D], v [B, Hkv, S/W, D] -> [B, Hq, S/W, D]",
+           None, (), tuned=False, methods=("ring", "allgather", "ulysses")),
 )}
 
 

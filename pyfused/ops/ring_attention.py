@@ -20,8 +20,11 @@ not divide (Hq by Hkv; both by W for ``ulysses``), an odd local length in the zi
 the global sequence to a multiple of 2 W: ``sequence_shards.padded_length``), a window without a
 causal mask, a method, layout, window, softcap or scale that is not valid.
 
-Autograd: a registered op ``pyfused::ring_attention`` returning (out, lse) whose backward runs the
-method's backward schedule, exact against the single-device gradient.
+A call takes the path of every registry op (pyfused/ops/_dispatch.py): the plan cache, then the
+computation alone (one rank, no gradient), the method's schedule (no gradient), or the registered
+op ``pyfused::ring_attention`` returning (out, lse), whose backward runs the method's backward
+schedule, exact against the single-device gradient. The registry hooks (``make_inputs``,
+``reference_per_rank``, ``opcheck_args``, ``plain_torch``) are at the end.
 """
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ from torch import Tensor
 from .. import comm
 from .._logging import logger
 from . import _common
-from .attention_blocks import Mask, math_dtype
+from ._dispatch import dispatched
+from .attention_blocks import Chunk, Mask, attend, math_dtype
 from .context_parallel import BACKWARD, FORWARD
+from .registry import OPS
 from .sequence_shards import LAYOUTS
 
 OP = "ring_attention"
@@ -69,29 +74,40 @@ def _mask_of(causal: bool, window: int, softcap: float, scale: float) -> Mask:
     return Mask(bool(causal), int(window), float(softcap), float(scale))
 
 
+def _schedule(pg, method: str, q: Tensor, k: Tensor) -> str:
+    """The schedule that runs: ``ring`` without a peer (its single step is the local attention),
+    ``auto``'s choice (a pure function of the agreed shapes) for a call traced with ``auto``."""
+    world = comm.world_size(pg)
+    if world == 1:
+        return "ring"
+    return choose_method(world, tuple(q.shape), k.shape[1])[0] if method == "auto" else method
+
+
 @comm.names_failures(OP)
 def _forward(q: Tensor, k: Tensor, v: Tensor, pg, method: str, layout: str, mask: Mask
              ) -> Tuple[Tensor, Tensor]:
-    if comm.world_size(pg) == 1:
-        method = "ring"  # no peer: the ring's single step is the local attention
-    return FORWARD[method](q, k, v, pg, layout, mask)
+    return FORWARD[_schedule(pg, method, q, k)](q, k, v, pg, layout, mask)
 
 
 @comm.names_failures(OP)
 def _backward_run(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pg,
                   method: str, layout: str, mask: Mask) -> Tuple[Tensor, Tensor, Tensor]:
-    if comm.world_size(pg) == 1:
-        method = "ring"
-    return BACKWARD[method](dout, q, k, v, out, lse, pg, layout, mask)
+    return BACKWARD[_schedule(pg, method, q, k)](dout, q, k, v, out, lse, pg, layout, mask)
 
 
 @torch.library.custom_op("pyfused::ring_attention", mutates_args=(), **_common.OP_TAGS)
 def _ring_attention_op(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, layout: str,
                        causal: bool, window: int, softcap: float, scale: float
                        ) -> Tuple[Tensor, Tensor]:
-    """(out [B, Hq, S_local, D], lse [B, Hq, S_local] fp32) of a call its wrapper validated."""
-    return _forward(q, k, v, comm.group_from_name(group_name), method, layout,
-                    _mask_of(causal, window, softcap, scale))
+    """(out [B, Hq, S_local, D], lse [B, Hq, S_local] fp32). ``window`` 0 and ``softcap`` 0.0
+    mean none. A call its wrapper did not validate (a compiled graph, ``torch.ops``) is checked
+    across ranks here."""
+    pg = comm.group_from_name(group_name)
+    if not _common.take_validated():
+        pg, method = prepare(q, k, v, pg, method, layout, causal, window or None, softcap or None,
+                             scale)
+    out, lse = _forward(q, k, v, pg, method, layout, _mask_of(causal, window, softcap, scale))
+    return out.contiguous(), lse.contiguous()  # the kernel's lse is [B, S, H] in memory
 
 
 @_ring_attention_op.register_fake
@@ -100,18 +116,33 @@ def _(q, k, v, group_name, method, layout, causal, window, softcap, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, method, layout, causal, window, softcap, scale = inputs
-    ctx.call = (group_name, method, layout, _mask_of(causal, window, softcap, scale))
-    ctx.save_for_backward(q, k, v, *output)
+    ctx.call = inputs[3:]  # group_name, method, layout, causal, window, softcap, scale
+    ctx.save_for_backward(*inputs[:3], *output)
+
+
+@torch.library.custom_op("pyfused::ring_attention_backward", mutates_args=(), **_common.OP_TAGS)
+def _ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                lse: Tensor, group_name: str, method: str, layout: str,
+                                causal: bool, window: int, softcap: float, scale: float
+                                ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the forward's call: a registered op of its own, so that a traced backward
+    (AOT autograd) holds it as one node rather than the schedule's sends and receives."""
+    grads = _backward_run(dout, q, k, v, out, lse, comm.group_from_name(group_name), method,
+                          layout, _mask_of(causal, window, softcap, scale))
+    return tuple(g.contiguous() for g in grads)
+
+
+@_ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, group_name, method, layout, causal, window, softcap, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    group_name, method, layout, mask = ctx.call
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = _backward_run(grad_out.contiguous(), q, k, v, out, lse,
-                               comm.group_from_name(group_name), method, layout, mask)
+    dq, dk, dv = torch.ops.pyfused.ring_attention_backward(grad_out.contiguous(), q, k, v, out,
+                                                           lse, *ctx.call)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -257,17 +288,131 @@ def prepare(q, k, v, group, method, layout, causal, window, softcap, scale) -> T
     return pg, chosen
 
 
+# ---------------------------------------------------------------------------------------------
+# The functional op: the plan cache, then the plan. The cache keys the method names of the
+# registry's unfused / decomposed / fused kind and no strings among the scalars, so its method
+# slot (``slot``) holds "auto" and this op's method and layout travel as their indices (-1: not a
+# valid name, which ``prepare`` refuses on every rank and the cache never stores).
+
+def _index(name, names: Tuple[str, ...]) -> int:
+    return names.index(name) if isinstance(name, str) and name in names else -1
+
+
+def _names(method_index: int, layout_index: int) -> Tuple[str, str]:
+    return (CP_METHODS[method_index] if method_index >= 0 else "",
+            LAYOUTS[layout_index] if layout_index >= 0 else "")
+
+
+def _plan(group, slot, method_index, layout_index, causal, window, softcap, scale, q, k, v
+          ) -> _common.Plan:
+    method, layout = _names(method_index, layout_index)
+    if torch.compiler.is_compiling():
+        return _common.traced_plan(OP, group, method)
+    pg, chosen = prepare(q, k, v, group, method, layout, causal, window, softcap, scale)
+    return _common.new_plan(OP, pg, _common.Choice(chosen, 0, "ring_attention.prepare"), 0,
+                            (q, k, v), (group, slot, method_index, layout_index, causal, window,
+                                        softcap, scale, q, k, v))
+
+
+def _arguments(causal, window, softcap, scale, q) -> tuple:
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    return causal, int(window or 0), float(softcap or 0.0), scale
+
+
+def _local(group, slot, method_index, layout_index, causal, window, softcap, scale, q, k, v):
+    whole = [Chunk(0, 0, q.shape[2])]
+    out, lse = attend(q, k, v, whole, whole, _mask_of(*_arguments(causal, window, softcap, scale, q)))
+    return out.to(q.dtype)
+
+
+def _direct(plan, group, slot, method_index, layout_index, causal, window, softcap, scale, q, k, v):
+    layout = _names(method_index, layout_index)[1]
+    mask = _mask_of(*_arguments(causal, window, softcap, scale, q))
+    return _forward(q, k, v, plan.pg, plan.method, layout, mask)[0]
+
+
+def _registered(plan, group, slot, method_index, layout_index, causal, window, softcap, scale,
+                q, k, v):
+    layout = _names(method_index, layout_index)[1]
+    out, _ = _common.call_op(plan, torch.ops.pyfused.ring_attention, q, k, v, plan.group_name,
+                             plan.method, layout, *_arguments(causal, window, softcap, scale, q))
+    return out
+
+
+@dispatched(OPS[OP].code, _plan, _local, _direct, _registered)
+def _dispatch(group, slot, method_index, layout_index, causal, window, softcap, scale, q, k, v):
+    """The dispatch path of a call, its method and layout as indices (above)."""
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, method: str = "auto",
                    causal: bool = True, window: Optional[int] = None,
                    softcap: Optional[float] = None, scale: Optional[float] = None,
                    layout: str = "zigzag") -> Tensor:
     """This rank's rows of attention over the sequence sharded across ``group``; see the module
     docstring. ``scale`` defaults to D ** -0.5."""
-    pg, chosen = prepare(q, k, v, group, method, layout, causal, window, softcap, scale)
-    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    window, softcap = int(window or 0), float(softcap or 0.0)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-        return _forward(q, k, v, pg, chosen, layout, _mask_of(causal, window, softcap, scale))[0]
-    out, _ = torch.ops.pyfused.ring_attention(q, k, v, comm.group_name(pg), chosen, layout, causal,
-                                              window, softcap, scale)
-    return out
+    return _dispatch(group, "auto", _index(method, CP_METHODS), _index(layout, LAYOUTS), causal,
+                     window, softcap, scale, q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry hooks (pyfused/ops/registry.py): what tests, benchmarks and virtual ranks use
+
+def _batch(rows) -> int:
+    return rows if isinstance(rows, int) else math.prod(rows)
+
+
+def make_inputs(world, rows, n, k=0, dtype=torch.float32, device="cpu", seed=0):
+    """Every rank's (q [B, 2W, S_local, D], k, v [B, W, S_local, D]) in the zigzag layout: one
+    global sequence of W * S_local positions, B = ``rows`` (the product of leading dims),
+    D = ``n``, S_local = 2 * max(``k``, 1). Hq = 2 Hkv (grouped-query) and both divisible by W, so
+    every method takes them."""
+    from .sequence_shards import shard_sequence
+
+    g = torch.Generator().manual_seed(seed)
+    b, length = _batch(rows), world * 2 * max(k, 1)
+    q = torch.randn(b, 2 * world, length, n, generator=g)
+    key, value = (torch.randn(b, world, length, n, generator=g) for _ in range(2))
+    return [tuple(shard_sequence(t, 2, r, world).to(device, dtype) for t in (q, key, value))
+            for r in range(world)]
+
+
+def reference_per_rank(inputs):
+    """Every rank's rows of causal attention over the whole sequence, by ``ring_attention_ref``."""
+    from .sequence_shards import shard_sequence, unshard_sequence
+
+    world = len(inputs)
+    whole = [unshard_sequence([t[i] for t in inputs], 2) for i in range(3)]
+    out = ring_attention_ref(*whole)
+    return [shard_sequence(out, 2, r, world) for r in range(world)]
+
+
+def opcheck_args(tensors, group_name: str) -> tuple:
+    q, k, v = tensors
+    return (q, k, v, group_name, "ring", "zigzag", True, 0, 0.0, q.shape[-1] ** -0.5)
+
+
+def plain_torch(tensors, pg):
+    """What a torch user writes: all-gather K and V, put the sequence in global order, and run
+    ``scaled_dot_product_attention`` on this rank's rows with the causal mask of their global
+    positions."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from .sequence_shards import shard_positions, unshard_sequence
+
+    q, k, v = tensors
+    world, rank, s = comm.world_size(pg), max(comm.rank(pg), 0), q.shape[2]
+    rows = shard_positions(rank, world, s, "zigzag", q.device)
+    allowed = torch.arange(world * s, device=q.device)[None, :] <= rows[:, None]
+
+    def all_gather_then_sdpa():
+        if world > 1:
+            parts = [[torch.empty_like(t) for _ in range(world)] for t in (k, v)]
+            dist.all_gather(parts[0], k.contiguous(), group=pg)
+            dist.all_gather(parts[1], v.contiguous(), group=pg)
+            whole_k, whole_v = (unshard_sequence(p, 2) for p in parts)
+        else:
+            whole_k, whole_v = k, v
+        return F.scaled_dot_product_attention(q, whole_k, whole_v, attn_mask=allowed,
+                                              enable_gqa=True)
+    return all_gather_then_sdpa
