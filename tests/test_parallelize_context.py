@@ -1,6 +1,7 @@
-"""``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp equals the
-same model trained in one process on the whole batch (every gradient of the first step, the loss
-of every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple
+"""``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp, cp x tp,
+dp x cp with ``dp="fsdp"`` (and dp x cp x tp, 8 ranks, with PYFUSED_LONG_TESTS=1) equals the same
+model trained in one process on the whole batch (every gradient of the first step, the loss of
+every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple
 of 2 cp); refused model types and attention masks raise the same error on every rank.
 
 The parameters after the steps are compared with a tolerance of 1% of the learning rate per step:
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_parallelize import VOCAB, build
-from tests.utils import assert_close
+from tests.utils import assert_close, long_test
 
 pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers")
 
@@ -28,7 +29,7 @@ def _batches(dp: int):
              torch.randint(0, VOCAB, (PER_DP * dp, SEQ), generator=g)) for _ in range(STEPS)]
 
 
-def _train(rank, world, dims, sizes):
+def _train(rank, world, dims, sizes, data_parallel="ddp"):
     from torch.distributed.device_mesh import init_device_mesh
 
     import pyfused
@@ -37,7 +38,7 @@ def _train(rank, world, dims, sizes):
     dp = dict(zip(dims, sizes)).get("dp", 1)
     coord = mesh.get_local_rank("dp") if "dp" in dims else 0
     ref = build("llama", seed=3)
-    pm = pyfused.parallelize(build("llama", seed=3), mesh)
+    pm = pyfused.parallelize(build("llama", seed=3), mesh, dp=data_parallel)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     for step, (ids, labels) in enumerate(_batches(dp)):
@@ -64,13 +65,16 @@ def _train(rank, world, dims, sizes):
     return True
 
 
-@pytest.mark.parametrize("dims,sizes", [(("dp", "cp"), (2, 2)), (("cp",), (3,))],
-                         ids=["dp2xcp2", "cp3"])
-def test_training_matches_single_process(ranks, dims, sizes):
+@pytest.mark.parametrize("dims,sizes,data_parallel", [
+    (("dp", "cp"), (2, 2), "ddp"), (("cp",), (3,), "ddp"), (("cp", "tp"), (2, 2), "ddp"),
+    (("dp", "cp"), (2, 2), "fsdp"),
+    pytest.param(("dp", "cp", "tp"), (2, 2, 2), "ddp", marks=long_test("dp x cp x tp on 8 ranks")),
+], ids=["dp2xcp2", "cp3", "cp2xtp2", "dp2xcp2-fsdp", "dp2xcp2xtp2"])
+def test_training_matches_single_process(ranks, dims, sizes, data_parallel):
     world = 1
     for s in sizes:
         world *= s
-    assert all(ranks.run(world, _train, dims, sizes, timeout=TIMEOUT))
+    assert all(ranks.run(world, _train, dims, sizes, data_parallel, timeout=TIMEOUT))
 
 
 def _logits(rank, world):

@@ -133,13 +133,16 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
         # parameters are DTensors over dp (HSDP: over dp_shard; with ep > 1 the replicated ones
-        # over dp x ep, the experts over dp): the group their norms sum over
+        # over dp x ep, the experts over dp; with cp over dp x cp, the cp dim's replicas): the
+        # group their norms sum over
         shard_dim = "dp_shard" if data_parallel == "hsdp" else "dp"
         sharded = data_parallel != "ddp" and info.size[shard_dim] > 1
         shard_group = info.group[shard_dim] if sharded else None
         ep_sharded = data_parallel == "fsdp" and info.size["ep"] > 1 and stage is None
         if ep_sharded:
             shard_group = fsdp_mesh(info).get_group()
+        if data_parallel == "fsdp" and context is not None and context.size > 1:
+            shard_group = context.replicas
         object.__setattr__(self, "_dp_shard_group", shard_group)
         object.__setattr__(self, "_ep_in_shard_group", ep_sharded)
         object.__setattr__(self, "_runner", module if runner is None else runner)
@@ -208,8 +211,11 @@ class ParallelModel(nn.Module):
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % self._tp.world:
-            _check_divisible(x.shape[1], self._tp.world)
+        if not (isinstance(x, torch.Tensor) and x.dim() >= 2):
+            return
+        length = x.shape[1] if self.context is None else self.context.local_length(x.shape[1])
+        if length % self._tp.world:  # with cp, sequence parallelism shards this rank's rows
+            _check_divisible(length, self._tp.world)
 
     # ---- state dicts ----------------------------------------------------------------------------
     def _spec_of(self, key: str, t: torch.Tensor) -> ShardSpec:

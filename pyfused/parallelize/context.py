@@ -13,12 +13,13 @@ parallel model
      each rank's cross-entropy sum divided by the whole batch's token count, summed over the cp
      group. The returned ``loss`` has that value on every rank; its gradient is cp times this rank's
      part, so that the data-parallel average over the (dp x cp) group -- where the parameters are
-     replicated -- sums the parts of one sequence and averages over the dp batches.
+     replicated (DDP) or sharded (``dp="fsdp"``: fully_shard over dp x cp flattened) -- sums the
+     parts of one sequence and averages over the dp batches.
 The returned ``logits`` are this rank's rows (``gather_rows`` puts them in global order).
 
 Refused, with the same error on every rank: model types outside ``CP_FAMILIES`` (their attention
-does not go through transformers' attention interface with rotary position ids), pp or
-``dp="fsdp"`` with cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
+does not go through transformers' attention interface with rotary position ids), pp, ep or
+``dp="hsdp"`` with cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
 followed by padding at the end (checked on the whole cp group's batch when one is passed).
 """
 from __future__ import annotations
@@ -49,9 +50,9 @@ def problem(model: nn.Module, cp: int, pp: int, dp: str, ep: int = 1) -> Optiona
         return (f"context parallelism (cp={cp}) supports the model types {CP_FAMILIES}, whose "
                 f"attention takes rotary position ids and transformers' attention interface; "
                 f"got {model_type!r}")
-    if pp > 1 or ep > 1 or dp != "ddp":
-        return (f"context parallelism (cp={cp}) composes with dp='ddp' and tp only; got pp={pp}, "
-                f"ep={ep}, dp={dp!r}")
+    if pp > 1 or ep > 1 or dp not in ("ddp", "fsdp"):
+        return (f"context parallelism (cp={cp}) composes with tp and dp='ddp' or 'fsdp' only; got "
+                f"pp={pp}, ep={ep}, dp={dp!r}")
     return None
 
 
@@ -108,6 +109,10 @@ class ContextParallel:
         if labels is not None:
             out["loss"] = self.loss(out["logits"], labels, count)
         return out
+
+    def local_length(self, length: int) -> int:
+        """How many rows of a ``length``-token sequence this rank holds (after the padding)."""
+        return padded_length(length, self.size, LAYOUT) // self.size
 
     def shard_call(self, kwargs: dict) -> tuple:
         """(the model's keyword arguments for this rank's rows, the whole-sequence labels of this

@@ -203,7 +203,9 @@ def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInf
                tp: tp_mod.TensorParallel) -> nn.Module:
     """``fully_shard`` over ``fsdp_mesh``, after TP (each block a unit, then the model; the TP specs
     follow the parameters to their shards): the model, sharded in place (itself on one rank). With
-    ep > 1 each experts layer is first a unit of its own over the dp dim (moe.py)."""
+    ep > 1 each experts layer is first a unit of its own over the dp dim (moe.py). With a cp dim the
+    mesh is dp x cp flattened, where the parameters are replicated too (context.py scales the loss
+    so that the average over that group sums the parts of one sequence)."""
     if info.size["ep"] > 1:
         ep_mod.shard_experts(model, ep_mod.experts_mesh(info.mesh), tp.param_specs)
     mesh = fsdp_mesh(info)
@@ -215,13 +217,16 @@ def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInf
 
 def fsdp_mesh(info: MeshInfo):
     """The mesh fully_shard shards the model over, None on one rank: HSDP's 2-D ("dp_replicate",
-    "dp_shard") mesh, the dp dim, or with ep > 1 every data rank, dp x ep flattened (the experts
-    aside; moe.py). Made once per mesh: every rank makes it at the same step."""
+    "dp_shard") mesh, the dp dim, with ep > 1 every data rank, dp x ep flattened (the experts
+    aside; moe.py), or with cp > 1 dp x cp (``replica_mesh``). Made once per mesh: every rank
+    makes it at the same step."""
     if not hasattr(info, "fsdp_mesh"):
         if info.hsdp:
             info.fsdp_mesh = info.mesh[HSDP_DIMS]
         elif info.size["ep"] > 1:
             info.fsdp_mesh = ep_mod.data_mesh(info.mesh, info.size["dp"])
+        elif info.size["cp"] > 1:
+            info.fsdp_mesh = replica_mesh(info)
         else:
             info.fsdp_mesh = info.mesh["dp"] if info.size["dp"] > 1 else None
     return info.fsdp_mesh
@@ -254,6 +259,16 @@ def replica_group(info: MeshInfo):
 def _replica_group(info: MeshInfo):
     if info.size["cp"] == 1:
         return info.group["dp"]
+    return replica_mesh(info).get_group()
+
+
+def replica_mesh(info: MeshInfo):
+    """The 1-D mesh of dp (without a cp dim), cp (at dp = 1), or dp x cp flattened (made once per
+    mesh)."""
+    if info.size["cp"] == 1:
+        return info.mesh["dp"]
     if info.size["dp"] == 1:
-        return info.group["cp"]
-    return info.mesh["dp", "cp"]._flatten().get_group()
+        return info.mesh["cp"]
+    if not hasattr(info, "dp_cp_mesh"):
+        info.dp_cp_mesh = info.mesh["dp", "cp"]._flatten()
+    return info.dp_cp_mesh
