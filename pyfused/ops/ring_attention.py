@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 from .._logging import logger
@@ -125,8 +126,9 @@ def _ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
                                 lse: Tensor, group_name: str, method: str, layout: str,
                                 causal: bool, window: int, softcap: float, scale: float
                                 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the forward's call: a registered op of its own, so that a traced backward
-    (AOT autograd) holds it as one node rather than the schedule's sends and receives."""
+    """(dq, dk, dv) of the forward's call: a registered op of its own, which a traced backward
+    (AOT autograd) calls so that its graph holds one node rather than the schedule's sends and
+    receives."""
     grads = _backward_run(dout, q, k, v, out, lse, comm.group_from_name(group_name), method,
                           layout, _mask_of(causal, window, softcap, scale))
     return tuple(g.contiguous() for g in grads)
@@ -138,11 +140,19 @@ def _(dout, q, k, v, out, lse, group_name, method, layout, causal, window, softc
 
 
 def _backward(ctx, grad_out, grad_lse):
+    """An eager backward runs the schedule itself (its buffers are then visible to memory tools
+    such as MemTracker, and it skips an op dispatch); a traced one calls the registered op."""
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.pyfused.ring_attention_backward(grad_out.contiguous(), q, k, v, out,
-                                                           lse, *ctx.call)
+    grad_out = grad_out.contiguous()
+    if torch.compiler.is_compiling() or any(is_fake(t) for t in (grad_out, q, out)):
+        dq, dk, dv = torch.ops.pyfused.ring_attention_backward(grad_out, q, k, v, out, lse,
+                                                               *ctx.call)
+    else:
+        group_name, method, layout, causal, window, softcap, scale = ctx.call
+        dq, dk, dv = _backward_run(grad_out, q, k, v, out, lse, comm.group_from_name(group_name),
+                                   method, layout, _mask_of(causal, window, softcap, scale))
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
