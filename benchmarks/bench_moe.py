@@ -39,7 +39,7 @@ from pyfused.ops import MethodUnavailable, moe_combine, moe_dispatch
 from pyfused.ops.registry import OPS
 
 from . import moe_model_step
-from .moe_reference import swiglu, torch_user_moe
+from .moe_reference import rows_against_reference, swiglu, torch_user_moe
 
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
@@ -103,20 +103,10 @@ def _block_rows(ctx: BenchContext, shape, case: str, out_dir: Path) -> List[Dict
         fns[method] = _step(lambda m=method: _pyfused_block(*args, m), leaves, grad)
     samples = interleaved_samples(fns, ctx)
     label = f"{case} T={tokens} H={hidden} F={ffn} E={experts} k={TOPK}"
-    rows = []
-    for name in ("torch", *METHODS):
-        common = dict(shape=label, dtype=dt, transport=ctx.transport, suite_part="block",
-                      routing=case, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts)
-        if name in unavailable:
-            rows.append(op_row(ctx, method=name, ms=None, status="unavailable",
-                               note=unavailable[name], **common))
-            continue
-        ms = statistics.median(samples[name])
-        ratio = paired_speedup(samples["torch"], samples[name])
-        rows.append(op_row(ctx, method=name, ms=ms, tokens_per_s=tokens * world / (ms * 1e-3),
-                           vs_torch=ratio, note="all_to_all_single + a loop over experts"
-                           if name == "torch" else f"x{ratio:.2f} of torch (paired)", **common))
-    return rows
+    return rows_against_reference(ctx, samples, METHODS, unavailable, tokens * world,
+                                  shape=label, dtype=dt, transport=ctx.transport,
+                                  suite_part="block", routing=case, tokens=tokens, hidden=hidden,
+                                  ffn=ffn, experts=experts)
 
 
 def _timeline(ctx: BenchContext, shape, out_dir: Path) -> Dict:

@@ -15,16 +15,15 @@ reference's time over the method's in the same round (``paired_speedup``).
 from __future__ import annotations
 
 import copy
-import statistics
 from typing import Dict, List
 
 import torch
 
-from pyfused.bench.harness import BenchContext, interleaved_samples, op_row, paired_speedup
+from pyfused.bench.harness import BenchContext, interleaved_samples, op_row
 from pyfused.layers import ExpertParallelExperts
 from pyfused.ops import MethodUnavailable
 
-from .moe_reference import TorchUserExperts
+from .moe_reference import TorchUserExperts, rows_against_reference
 
 VOCAB = 1024
 EXPERTS_PER_RANK = 4
@@ -108,18 +107,7 @@ def _shape_rows(ctx: BenchContext, shape, methods) -> List[Dict]:
     tokens = batch * seq
     label = (f"Mixtral step: {layers} layers, H={hidden} F={ffn} E={EXPERTS_PER_RANK * ctx.world} "
              f"k={TOPK}, {batch}x{seq} tokens per rank")
-    rows = []
-    for name in ("torch", *methods):
-        common = dict(shape=label, dtype=ctx.dtype, transport=ctx.transport, suite_part="model",
-                      routing="router", tokens=tokens, hidden=hidden, ffn=ffn,
-                      experts=EXPERTS_PER_RANK * ctx.world)
-        if name in unavailable:
-            rows.append(op_row(ctx, method=name, ms=None, status="unavailable",
-                               note=unavailable[name], **common))
-            continue
-        ms = statistics.median(samples[name])
-        ratio = paired_speedup(samples["torch"], samples[name])
-        rows.append(op_row(ctx, method=name, ms=ms, tokens_per_s=tokens * ctx.world / (ms * 1e-3),
-                           vs_torch=ratio, note="all_to_all_single + a loop over experts"
-                           if name == "torch" else f"x{ratio:.2f} of torch (paired)", **common))
-    return rows
+    return rows_against_reference(ctx, samples, methods, unavailable, tokens * ctx.world,
+                                  shape=label, dtype=ctx.dtype, transport=ctx.transport,
+                                  suite_part="model", routing="router", tokens=tokens,
+                                  hidden=hidden, ffn=ffn, experts=EXPERTS_PER_RANK * ctx.world)

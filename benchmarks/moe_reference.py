@@ -4,12 +4,18 @@ suite: the per-expert counts by ``all_to_all_single``, the tokens by the differe
 (a loop over its rows), the rows back the same way, the weighted sum."""
 from __future__ import annotations
 
+import statistics
+from typing import Dict, List, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from pyfused import comm
+from pyfused.bench.harness import op_row, paired_speedup
+
+REFERENCE_NOTE = "all_to_all_single + a loop over experts"
 
 
 def swiglu(h: torch.Tensor, act=F.silu) -> torch.Tensor:
@@ -67,3 +73,21 @@ class TorchUserExperts(nn.Module):
         return torch_user_moe(hidden_states, top_k_index, top_k_weights,
                               self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
                               self.pg, self.act_fn).to(hidden_states.dtype)
+
+
+def rows_against_reference(ctx, samples: Dict[str, List[float]], methods: Sequence[str],
+                           unavailable: Dict[str, str], tokens_total: int, **common) -> List[Dict]:
+    """One row for this reference ("torch") and one per method: the median time, tokens/s over
+    every rank's ``tokens_total``, and the method's per-round paired ratio against the reference."""
+    rows = []
+    for name in ("torch", *methods):
+        if name in unavailable:
+            rows.append(op_row(ctx, method=name, ms=None, status="unavailable",
+                               note=unavailable[name], **common))
+            continue
+        ms = statistics.median(samples[name])
+        ratio = paired_speedup(samples["torch"], samples[name])
+        rows.append(op_row(ctx, method=name, ms=ms, tokens_per_s=tokens_total / (ms * 1e-3),
+                           vs_torch=ratio, note=REFERENCE_NOTE if name == "torch"
+                           else f"x{ratio:.2f} of torch (paired)", **common))
+    return rows
