@@ -1,44 +1,51 @@
 #!/usr/bin/env bash
 # What a machine with a GPU runs: two self-contained device calls (docs/TESTBED.md has the exact
-# device-tool invocations). A fresh, bare machine per call, at most 10 minutes a call, 30 minutes of
-# device time in all, start-ups included: call 1 builds pyfused._C, runs the correctness tests and
-# warms the Triton cache, and returns the build and the cache through $OUT; call 2 carries them in
-# (.gpu_carry/) and installs in seconds with no rebuild.
+# device-tool invocations) within the session's 15 minutes of device time, start-ups included. Call 1
+# installs pyfused._C (the build carried in .gpu_carry/, made on a CPU machine for the device's
+# Python and torch; built on the device if none is carried), runs the GPU tests, the single-GPU and
+# virtual-rank benchmarks, the two-process NCCL paths and the sanitizers, and returns the Triton
+# cache; call 2, after a fix, carries the cache in and runs the rest, or reruns steps (--only).
 #
-#   bash benchmarks/gpu_check.sh --call 1    # build, single-rank GPU tests, virtual ranks, warm
-#   bash benchmarks/gpu_check.sh --call 2    # sanitizers, benchmarks, the symm-mem smoke
+#   bash benchmarks/gpu_check.sh --call 1    # install, tests, virtual ranks, benches, NCCL, sanitizers
+#   bash benchmarks/gpu_check.sh --call 2    # overhead, symm-mem probe and smoke, memcheck at W=2
 #   bash benchmarks/gpu_check.sh --dry-run [--call N]   # the plan and its worst case; no GPU
-#   bash benchmarks/gpu_check.sh --call N --only a,b    # only the named steps of call N
+#   bash benchmarks/gpu_check.sh --call N --only a,b    # only the named steps (of any call)
 #
-# Every step runs under its own `timeout`, whatever happened before it (no `set -e`), and after
-# every step -- and on exit, by a trap -- the logs, summary.txt and the results tarball are copied
-# to $OUT, so a call killed at its limit still returns everything that ran. The exit status is 1 if
-# any step failed. The sanitizer steps run one process per rank, not virtual ranks: a sanitizer may
-# serialize a process's kernel launches, and virtual ranks' kernels wait on each other. The bench
-# steps write each row as it is measured (<suite>.rows.jsonl) and stop their suites
-# (--suite-timeout) before the step's limit. Results: benchmarks/results/<date>_<gpu>/call<N>/
-# (commit them; GPU_CHECK_RESULTS names another root).
+# Every step runs under its own `timeout`, whatever happened before it (no `set -e`), capped by what
+# is left of the call (its timeout_s less RESERVE, kept for `pack` and collecting): a step that
+# would start with less than MIN_STEP seconds left is recorded as not run (rc=-), and `pack` always
+# runs. After every step -- and on exit, by a trap -- the logs, summary.txt and the results tarball
+# are copied to $OUT, so a call killed at its limit still returns everything that ran. The exit
+# status is 1 if any step failed or was not run. The sanitizer steps run one process per rank, not
+# virtual ranks: a sanitizer may serialize a process's kernel launches, and virtual ranks' kernels
+# wait on each other. The bench steps write each row as it is measured (<suite>.rows.jsonl) and
+# stop their suites (--suite-timeout) before the step's limit. Results:
+# benchmarks/results/<date>_<gpu>/call<N>/ (commit them; GPU_CHECK_RESULTS names another root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # --- the device tool's limits and what this plan assumes (docs/TESTBED.md) ------------------------
-CALL_TIMEOUT=600   # s, the timeout_s every call is run with: the tool's most per command
+TOOL_MAX=600       # s, the most one command may run
 STARTUP=120        # s per call, a fresh machine's start: the device README's "1 to 2 minutes"
-WARM_AFTER=30      # s a machine stays held after a call (nvidia-h100-x1, nvidia-h200)
-BUDGET=1800        # s of device time for the session
-SPARE=180          # s the worst case leaves unused
+BUDGET=900         # s of device time for the session; each call is followed by give_back
+SPARE=20           # s the worst case leaves unused
 KILL_GRACE=5       # s a step may outlive its limit (timeout --kill-after)
-SCRIPT_OWN=15      # s per call of the script's own work between steps (setup, collecting)
+RESERVE=25         # s of a call kept for `pack` and the final collect
+MIN_STEP=15        # s: a step is not started with less than this left
 MAX_FILES=8        # files the device tool returns from $OUT
-CARRY=.gpu_carry   # what call 2 carries in (ignored by git): the .so and the Triton cache tarball
+CARRY=.gpu_carry   # what a call carries in (ignored by git): the .so and the Triton cache tarball
 SO_GLOB="_C.cpython-*.so"
 CALLS="1 2"
 # The Triton cache sits at one path on every machine, whatever the checkout's: its group files
 # hold the absolute paths of their entries, so a cache unpacked at another path is never hit.
 TRITON_CACHE=${TMPDIR:-/tmp}/pyfused-triton-cache
 PY=${PYTHON:-python3}
-PYTEST="$PY -m pytest -q -ra -x -p no:cacheprovider --timeout=90"
+PYTEST="$PY -m pytest -q -ra --maxfail=5 -p no:cacheprovider --timeout=60"
 BENCH="$PY -m pyfused.bench --no-progress"
+
+call_timeout() {  # the timeout_s each call is run with
+  case $1 in 1) echo 440 ;; *) echo 200 ;; esac
+}
 
 # --- the plan: per call, "name limit_s command" (a command is one bash -c string) -----------------
 # The most valuable steps first: a call cut short loses only what follows.
@@ -46,79 +53,77 @@ call_steps() {
   case $1 in
   1) cat <<'EOF'
 env         10  gpu_env
-build       180 gpu_build
-tests_1rank 110 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py -k "not w2 and not w4"
-virtual     140 $PYTEST -m gpu tests/test_virtual_ranks.py
-warm_vr     35  $PY benchmarks/bench_virtual_ranks.py --warm
-warm_1gpu   65  $BENCH --suites gemm,reduce --warmup 0 --iters 1 --timeout 30 --suite-timeout 17 --out $RES/warm_1gpu
+install     150 gpu_install
+tests_1rank 90  $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
+virtual     100 $PYTEST -m gpu tests/test_virtual_ranks.py
+bench_1gpu  100 $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 35 --out $RES/bench_1gpu
+nccl_paths  45  gpu_nccl_paths
+memcheck_w1 35  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
+racecheck   35  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
+bench_vr    60  $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 25 --suite-timeout 30 --out $RES/bench_virtual_ranks
 pack        10  gpu_pack_cache
 EOF
   ;;
   2) cat <<'EOF'
 env         10  gpu_env
-install     30  gpu_install
+install     60  gpu_install
 cache       10  gpu_unpack_cache
-memcheck_w1 40  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
-memcheck_w2 60  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
-racecheck   45  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
-bench_vr    170 $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 60 --suite-timeout 130 --out $RES/bench_virtual_ranks
-bench_1gpu  80  $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 25 --out $RES/bench_1gpu
-symm_probe  30  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
-symm_w2     45  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
+overhead_w1 100 $BENCH --suites overhead --world 1 --timeout 30 --suite-timeout 70 --out $RES/overhead
+symm_probe  25  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
+symm_w2     40  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
+memcheck_w2 50  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
+pack        10  gpu_pack_cache
 EOF
   ;;
   esac
 }
 
 call_returns() {  # the files a call leaves under $OUT (the device tool returns at most 8)
-  case $1 in
-  1) echo "summary.txt env.txt results.tar.gz $SO_GLOB triton_cache.tar.gz" ;;
-  *) echo "summary.txt env.txt results.tar.gz" ;;
-  esac
+  echo "summary.txt env.txt results.tar.gz $SO_GLOB triton_cache.tar.gz"
 }
 
 call_purpose() {
   case $1 in
-  1) echo "build pyfused._C (PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, virtual ranks at W=2/4/8, warm the Triton cache for the benchmarks" ;;
-  2) echo "memcheck and racecheck, benchmarks (each fused op at W=2/4/8 vs unfused; the single-GPU kernels), the symm-mem exchange smoke" ;;
+  1) echo "install pyfused._C (carried, else built: PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, virtual ranks at W=2/4/8, the single-GPU benches, the NCCL paths on 2 processes, memcheck and racecheck at W=1, the virtual-rank benches" ;;
+  2) echo "the overhead suite's host time, the symm-mem probe and exchange smoke, memcheck at W=2; reruns with --only" ;;
   esac
 }
 
 call_carry() {  # the device tool's carry argument of a call
-  case $1 in
-  1) echo "" ;;
-  *) echo ", carry=[\"$CARRY\"]" ;;
-  esac
+  echo ", carry=[\"$CARRY\"]"
 }
 
-selected_steps() {  # call_steps, less the steps --only leaves out
-  local name rest
-  call_steps "$1" | while read -r name rest; do
-    [ -z "$ONLY" ] || [[ ",$ONLY," == *",$name,"* ]] && echo "$name $rest"
-  done
+all_steps() {  # every call's steps, each name once
+  local call
+  for call in $CALLS; do call_steps "$call"; done | awk '!seen[$1]++'
+}
+
+selected_steps() {  # call N's steps, or with --only the named steps (of any call) in that order
+  local name
+  if [ -z "$ONLY" ]; then call_steps "$1"; return; fi
+  for name in ${ONLY//,/ }; do all_steps | grep "^$name "; done
 }
 
 dry_run() {  # print the plan of the given calls and their worst case; exit 1 if a limit is broken
-  local bad=0 call name limit cmd steps n files worst total=0
+  local bad=0 call name limit cmd steps n files worst total=0 timeout last
   echo "Triton cache: $TRITON_CACHE (one path on every machine; TMPDIR sets its root)"
   for call in "$@"; do
-    steps=0 n=0
+    steps=0 n=0 timeout=$(call_timeout "$call")
     echo "call $call: $(call_purpose "$call")"
-    echo "  run(command=\"bash benchmarks/gpu_check.sh --call $call\"$(call_carry "$call"), timeout_s=$CALL_TIMEOUT)"
+    echo "  run(command=\"bash benchmarks/gpu_check.sh --call $call\"$(call_carry "$call"), timeout_s=$timeout)"
     while read -r name limit cmd; do
       printf '  %-12s %4ss  %s\n' "$name" "$limit" "$cmd"
-      steps=$((steps + limit)) n=$((n + 1))
+      steps=$((steps + limit)) n=$((n + 1)) last=$name
     done < <(call_steps "$call")
     files=$(call_returns "$call" | wc -w)
-    echo "  steps: ${steps}s of limits + $n x ${KILL_GRACE}s kill grace + ${SCRIPT_OWN}s own" \
-         "= $((steps + n * KILL_GRACE + SCRIPT_OWN))s of timeout_s=${CALL_TIMEOUT}s"
+    echo "  steps: ${steps}s of limits, each capped by what is left of $((timeout - RESERVE))s" \
+         "(timeout_s=${timeout}s less ${RESERVE}s kept for pack and collecting)"
     echo "  returns ${files} files: $(call_returns "$call")"
-    worst=$((STARTUP + CALL_TIMEOUT + WARM_AFTER))
+    worst=$((STARTUP + timeout))
     total=$((total + worst))
-    echo "  worst case: ${STARTUP}s start-up + ${CALL_TIMEOUT}s timeout_s + ${WARM_AFTER}s held after = ${worst}s"
-    if [ $((steps + n * KILL_GRACE + SCRIPT_OWN)) -gt "$CALL_TIMEOUT" ]; then
-      echo "  ERROR: call $call's steps may run past its timeout_s"; bad=1
-    fi
+    echo "  worst case: ${STARTUP}s start-up + ${timeout}s timeout_s, then give_back = ${worst}s"
+    if [ "$timeout" -gt "$TOOL_MAX" ]; then echo "  ERROR: timeout_s over the tool's ${TOOL_MAX}s"; bad=1; fi
+    if [ "$last" != pack ]; then echo "  ERROR: call $call does not end with pack"; bad=1; fi
     if [ "$files" -gt "$MAX_FILES" ]; then echo "  ERROR: call $call returns $files files > $MAX_FILES"; bad=1; fi
   done
   echo "worst case: ${total}s of device time for $# call(s) (start-up assumed ${STARTUP}s a call:" \
@@ -128,14 +133,15 @@ dry_run() {  # print the plan of the given calls and their worst case; exit 1 if
   return $bad
 }
 
-usage() { echo "usage: $0 --call 1|2 [--only STEP,...] | --dry-run [--call 1|2]" >&2; exit 2; }
+usage() { echo "usage: $0 --call 1|2 [--only STEP,...] [--timeout S] | --dry-run [--call 1|2]" >&2; exit 2; }
 
 # --- arguments -------------------------------------------------------------------------------------
-CALL="" DRY=0 ONLY=""
+CALL="" DRY=0 ONLY="" TIMEOUT=""
 while [ $# -gt 0 ]; do
   case $1 in
     --call) CALL=${2:-}; shift 2 || usage ;;
     --only) ONLY=${2:-}; shift 2 || usage ;;
+    --timeout) TIMEOUT=${2:-}; shift 2 || usage ;;  # the timeout_s the call runs with, if not its own
     --dry-run) DRY=1; shift ;;
     *) usage ;;
   esac
@@ -145,17 +151,19 @@ if [ "$DRY" = 1 ]; then
   exit $?
 fi
 case $CALL in 1|2) ;; *) usage ;; esac
+[[ "$TIMEOUT" =~ ^[0-9]*$ ]] || usage
 for name in ${ONLY//,/ }; do
-  call_steps "$CALL" | grep -q "^$name " || { echo "--only: call $CALL has no step $name" >&2; exit 2; }
+  all_steps | grep -q "^$name " || { echo "--only: no call has a step $name" >&2; exit 2; }
 done
 
 # --- the environment every step sees -----------------------------------------------------------------
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# The fused kernels' waits give up after 30 s of wall-clock time; torch.distributed's groups wait
-# longer (tests/dist_pool.py: 90 s), so a lost flag is reported by the kernel (rank, peer, flag).
-export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-30000}
+# The fused kernels' waits give up after 15 s of wall-clock time (a lost flag costs little of the
+# call); torch.distributed's groups wait longer (tests/dist_pool.py: 90 s), so a lost flag is
+# reported by the kernel (rank, peer, flag).
+export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-15000}
 # torch symmetric memory, for the multi-process smoke only: the CUDA backend (NVSHMEM cannot host
 # several ranks on one GPU), and several ranks per device allowed. env.txt records what took.
 export TORCH_SYMMMEM=CUDA TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
@@ -235,17 +243,27 @@ gpu_unpack_cache() {  # call 1's Triton cache at the path it was made at
   echo "triton cache entries: $(ls "$TRITON_CACHE_DIR" | wc -l) in $TRITON_CACHE_DIR"
 }
 
-gpu_install() {  # the carried extension built for this Python; pip only maps the package
+gpu_install() {  # the carried extension built for this Python (pip only maps the package), else a build
   local name; name=$(extension_name) || return 1
-  [ -f "$CARRY/$name" ] || {
-    echo "no $CARRY/$name (for $($PY -V 2>&1)); $CARRY holds: $(ls "$CARRY" 2>/dev/null | tr '\n' ' ')"
-    echo "copy call 1's returned files into $CARRY/"; return 1; }
-  echo "carried extension: $CARRY/$name"
-  cp "$CARRY/$name" pyfused/ || return 1
-  PYFUSED_SKIP_CUDA_BUILD=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . -q || return 1
-  check_extension
+  if [ -f "$CARRY/$name" ]; then
+    echo "carried extension: $CARRY/$name"
+    cp "$CARRY/$name" pyfused/ || return 1
+    PYFUSED_SKIP_CUDA_BUILD=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . -q \
+      && check_extension && return 0
+    echo "the carried extension does not install or load here: building"
+    rm -f "pyfused/$name"
+  else
+    echo "no $CARRY/$name (for $($PY -V 2>&1)); $CARRY holds: $(ls "$CARRY" 2>/dev/null | tr '\n' ' '): building"
+  fi
+  gpu_build
 }
-export -f gpu_env extension_name check_extension gpu_build gpu_pack_cache gpu_unpack_cache gpu_install
+
+gpu_nccl_paths() {  # the NCCL training paths, 2 processes on the one GPU (a correctness transport)
+  $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_nccl_paths.py \
+    --device cuda --backend nccl --out "$RES/nccl_paths"
+}
+export -f gpu_env extension_name check_extension gpu_build gpu_pack_cache gpu_unpack_cache gpu_install \
+  gpu_nccl_paths
 
 collect() {  # logs, summary and the results tarball to $OUT (after every step and on exit)
   cp "$RES/summary.txt" "$OUT/summary.txt" 2>/dev/null
@@ -255,9 +273,20 @@ collect() {  # logs, summary and the results tarball to $OUT (after every step a
 trap 'echo "exit: collecting"; collect' EXIT
 trap 'exit 143' TERM INT  # the EXIT trap then still collects
 
-run_step() {  # run_step NAME LIMIT CMD: time-limited, logged, recorded, collected
-  local name=$1 limit=$2 cmd=$3 t0 rc
-  t0=$(date +%s)
+DEADLINE=$(( $(date +%s) + ${TIMEOUT:-$(call_timeout "$CALL")} - RESERVE ))  # steps but pack end by then
+
+run_step() {  # run_step NAME LIMIT CMD: time-limited (capped by the call's deadline), logged, recorded
+  local name=$1 limit=$2 cmd=$3 t0 rc left
+  t0=$(date +%s) left=$((DEADLINE - t0))
+  if [ "$name" != pack ] && [ "$left" -lt "$limit" ]; then
+    if [ "$left" -lt "$MIN_STEP" ]; then
+      status=1
+      printf '%-12s rc=-   not run: %ss of the call left  %.150s\n' "$name" "$left" "$cmd" \
+        | tee -a "$RES/summary.txt"
+      return
+    fi
+    limit=$left
+  fi
   echo "== $name (limit ${limit}s): $cmd"
   timeout --kill-after=$KILL_GRACE "$limit" bash -c "$cmd" < /dev/null > "$RES/$name.log" 2>&1
   rc=$?
