@@ -194,41 +194,42 @@ def test_sanitizer_driver_virtual_mode_on_cpu():
 GPU_SHAPE = dict(rows=384, n=1280, k=1024)  # per rank; rows * W divisible by W; ~ a TP=8 rank's
 
 
+# One test per case, so that a case that fails or hangs is reported by name and `-k` can pick cases.
+GPU_CASES = sorted(_cases())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_gpu_every_case(world, dtype):
-    """Each case with truly concurrent ranks, twice (epochs), against the fp64 reference and the
+def test_gpu_every_case(world, dtype, name):
+    """The case with truly concurrent ranks, twice (epochs), against the fp64 reference and the
     unfused composition on the same harness."""
     from pyfused.testing.virtual_cases import max_rel_error, run_unfused
 
-    CASES = _cases()
-
+    case = _cases()[name]
     group = _group(world, "cuda")
     try:
-        for name, case in CASES.items():
-            for seed in (1, 2):
-                inputs, outs = _check_case(group, name, dtype, **GPU_SHAPE, seed=seed)
-            unfused = run_unfused(group, case, inputs)
-            torch.cuda.synchronize()
-            assert max_rel_error(outs, unfused) <= 4 * TOLERANCES[dtype][0], name
+        for seed in (1, 2):
+            inputs, outs = _check_case(group, name, dtype, **GPU_SHAPE, seed=seed)
+        unfused = run_unfused(group, case, inputs)
+        torch.cuda.synchronize()
+        assert max_rel_error(outs, unfused) <= 4 * TOLERANCES[dtype][0], name
     finally:
         group.free()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
 @pytest.mark.parametrize("world", [2, 8])
-def test_gpu_adversarial(world):
+def test_gpu_adversarial(world, name):
     """One rank 50 ms late (a sleep kernel on its stream), then NaN in every buffer before the call:
-    every case still matches (a read before its flag would show the NaN)."""
-    CASES = _cases()
-
+    the case still matches (a read before its flag would show the NaN)."""
     group = _group(world, "cuda")
     try:
-        for name in CASES:
-            _check_case(group, name, torch.bfloat16, **GPU_SHAPE)
-            group.poison()
-            _check_case(group, name, torch.bfloat16, **GPU_SHAPE, delay=world - 1)
+        _check_case(group, name, torch.bfloat16, **GPU_SHAPE)
+        group.poison()
+        _check_case(group, name, torch.bfloat16, **GPU_SHAPE, delay=world - 1)
     finally:
         group.free()
 
