@@ -1,0 +1,125 @@
+"""The library's training paths over a real process group, each against single-process training.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/gpu_nccl_paths.py --out DIR ARGS
+
+with ARGS ``--device cuda --backend nccl`` on the GPU, ``--device cpu --backend gloo`` on CPU.
+
+A correctness check of the transport, no timings: pyfused DDP, its sharded optimizer (ZeRO),
+``fully_shard``, a 1F1B pipeline, ``parallelize`` at tp=2, the expert-parallel MoE layer and ring
+attention (``nccl_path_checks.py`` says what each trains and compares). Several ranks may share
+one GPU: each then claims its own NCCL host id and talks over sockets (``pyfused.bench.launch``).
+
+Rank 0 prints one line per path, ``path  PASS|FAIL  max_abs_diff  max_rel_diff  seconds`` (and
+the first failures or the exception), and writes the same as JSON lines to DIR/nccl_paths.jsonl.
+Each path runs in its own try/except, and the ranks agree on its outcome before the next one; the
+process group's timeout (``--group-timeout``) bounds a path that hangs. Exit status 0 iff every
+path passed. ``--perturb PATH`` adds an error to PATH's distributed results (it must FAIL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # pyfused and the tests' helpers, whatever the working directory
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.nccl_path_checks import PATHS, Comparison  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of: " + ", ".join(PATHS))
+    p.add_argument("--perturb", default=None, choices=list(PATHS), help="make this path's results wrong")
+    p.add_argument("--group-timeout", type=float, default=60.0, help="seconds a collective may wait")
+    args = p.parse_args(argv)
+    if (args.device == "cuda") != (args.backend == "nccl"):
+        p.error("--device cuda goes with --backend nccl, --device cpu with --backend gloo")
+    args.paths = [x for x in args.paths.split(",") if x]
+    unknown = [x for x in args.paths if x not in PATHS]
+    if unknown:
+        p.error(f"unknown path(s) {unknown}; known: {', '.join(PATHS)}")
+    return args
+
+
+def init_group(args) -> torch.device:
+    """Join the group from torchrun's environment (pyfused.bench.launch: ranks sharing a GPU claim
+    their own NCCL host ids); fp32 matmuls stay fp32 on the GPU, as the references are."""
+    from pyfused.bench.launch import init_rank
+
+    _, _, device = init_rank(args.backend, args.group_timeout)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def run_path(name: str, device: torch.device, perturb: bool) -> dict:
+    """Run one path on this rank; every rank's outcome, agreed, as one row."""
+    from pyfused.comm.agreement import agree_on
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cmp = Comparison(perturb=perturb)
+    error = None
+    start = time.perf_counter()
+    try:
+        PATHS[name](cmp, rank, world, device)
+    except Exception as e:  # noqa: BLE001 - recorded; the other paths still run
+        error = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+    seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    mine = (cmp.max_abs, cmp.max_rel, [f"rank {rank}: {f}" for f in cmp.failures], error)
+    every = agree_on(dist.group.WORLD, f"nccl path {name}", value=mine)
+    failures = [f for _, _, fs, _ in every for f in fs]
+    errors = [e for *_, e in every if e is not None]
+    return {"path": name, "passed": not failures and not errors,
+            "max_abs_diff": max(a for a, *_ in every), "max_rel_diff": max(r for _, r, *_ in every),
+            "seconds": round(seconds, 3), "world": world, "device": str(device),
+            "backend": dist.get_backend(), "torch": torch.__version__,
+            "failures": failures[:10], "n_failures": len(failures), "errors": errors}
+
+
+def report(row: dict, out) -> None:
+    verdict = "PASS" if row["passed"] else "FAIL"
+    print(f"{row['path']:<15} {verdict}  {row['max_abs_diff']:.3e}  {row['max_rel_diff']:.3e}  "
+          f"{row['seconds']:.2f}", flush=True)
+    for line in row["failures"][:3] + row["errors"]:
+        print("    " + line.rstrip().replace("\n", "\n    "), flush=True)
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = init_group(args)
+    rank = dist.get_rank()
+    passed = True
+    out = None
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = open(args.out / "nccl_paths.jsonl", "w")
+    try:
+        for name in args.paths:
+            row = run_path(name, device, perturb=name == args.perturb)
+            passed &= row["passed"]
+            if out is not None:
+                report(row, out)
+    finally:
+        if out is not None:
+            out.close()
+        dist.destroy_process_group()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
