@@ -12,8 +12,10 @@ one GPU: each then claims its own NCCL host id and talks over sockets (``pyfused
 Rank 0 prints one line per path, ``path  PASS|FAIL  max_abs_diff  max_rel_diff  seconds`` (and
 the first failures or the exception), and writes the same as JSON lines to DIR/nccl_paths.jsonl.
 Each path runs in its own try/except, and the ranks agree on its outcome before the next one; the
-process group's timeout (``--group-timeout``) bounds a path that hangs. Exit status 0 iff every
-path passed. ``--perturb PATH`` adds an error to PATH's distributed results (it must FAIL).
+process group's timeout (``--group-timeout``) bounds a path that hangs. A rank that fails mid-path
+leaves the group out of step: that path and the ones after it are reported FAIL (not run). Exit
+status 0 iff every path passed. ``--perturb PATH`` adds an error to PATH's distributed results (it
+must FAIL).
 """
 from __future__ import annotations
 
@@ -73,26 +75,39 @@ def run_path(name: str, device: torch.device, perturb: bool) -> dict:
     start = time.perf_counter()
     try:
         PATHS[name](cmp, rank, world, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # an asynchronous CUDA error belongs to this path
     except Exception as e:  # noqa: BLE001 - recorded; the other paths still run
         error = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
     seconds = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.synchronize()
     mine = (cmp.max_abs, cmp.max_rel, [f"rank {rank}: {f}" for f in cmp.failures], error)
-    every = agree_on(dist.group.WORLD, f"nccl path {name}", value=mine)
+    row = {"path": name, "seconds": round(seconds, 3), "world": world, "device": str(device),
+           "backend": dist.get_backend(), "torch": torch.__version__, "group_broken": False}
+    try:
+        every = agree_on(dist.group.WORLD, f"nccl path {name}", value=mine)
+    except Exception as e:  # noqa: BLE001 - a rank left mid-path: the group is out of step
+        row["group_broken"] = True
+        error = (error or "") + f"\nrank {rank}: the ranks could not agree ({type(e).__name__}: {e})"
+        every = [mine[:3] + (error,)]
     failures = [f for _, _, fs, _ in every for f in fs]
     errors = [e for *_, e in every if e is not None]
-    return {"path": name, "passed": not failures and not errors,
-            "max_abs_diff": max(a for a, *_ in every), "max_rel_diff": max(r for _, r, *_ in every),
-            "seconds": round(seconds, 3), "world": world, "device": str(device),
-            "backend": dist.get_backend(), "torch": torch.__version__,
-            "failures": failures[:10], "n_failures": len(failures), "errors": errors}
+    return dict(row, passed=not failures and not errors,
+                max_abs_diff=max(a for a, *_ in every), max_rel_diff=max(r for _, r, *_ in every),
+                failures=failures[:10], n_failures=len(failures), errors=errors)
+
+
+def skipped(name: str, broken_by: str) -> dict:
+    """The row of a path not run: an earlier one left the group out of step."""
+    return {"path": name, "passed": False, "max_abs_diff": None, "max_rel_diff": None,
+            "seconds": 0.0, "failures": [], "n_failures": 0,
+            "errors": [f"not run: the process group broke in {broken_by}"]}
 
 
 def report(row: dict, out) -> None:
     verdict = "PASS" if row["passed"] else "FAIL"
-    print(f"{row['path']:<15} {verdict}  {row['max_abs_diff']:.3e}  {row['max_rel_diff']:.3e}  "
-          f"{row['seconds']:.2f}", flush=True)
+    diffs = ("-", "-") if row["max_abs_diff"] is None else (
+        f"{row['max_abs_diff']:.3e}", f"{row['max_rel_diff']:.3e}")
+    print(f"{row['path']:<15} {verdict}  {diffs[0]}  {diffs[1]}  {row['seconds']:.2f}", flush=True)
     for line in row["failures"][:3] + row["errors"]:
         print("    " + line.rstrip().replace("\n", "\n    "), flush=True)
     out.write(json.dumps(row) + "\n")
@@ -109,8 +124,11 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         out = open(args.out / "nccl_paths.jsonl", "w")
     try:
+        broken_by = None
         for name in args.paths:
-            row = run_path(name, device, perturb=name == args.perturb)
+            row = skipped(name, broken_by) if broken_by else run_path(name, device, name == args.perturb)
+            if row.get("group_broken"):
+                broken_by = name
             passed &= row["passed"]
             if out is not None:
                 report(row, out)
