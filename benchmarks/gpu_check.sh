@@ -54,8 +54,10 @@ call_steps() {
   1) cat <<'EOF'
 env         10  gpu_env
 install     150 gpu_install
-tests_1rank 90  $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
-virtual     100 $PYTEST -m gpu tests/test_virtual_ranks.py
+tests_kernels 90 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py
+tests_ops   75  $PYTEST -m gpu tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
+virtual     100 $PYTEST -m gpu tests/test_virtual_ranks.py -k "not moe and not fp16"
+virtual_moe 40  PYFUSED_FUSED_TIMEOUT_MS=10000 $PYTEST -m gpu tests/test_virtual_ranks.py -k "moe and 2-bf16" --timeout=30
 bench_1gpu  100 $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 35 --out $RES/bench_1gpu
 nccl_paths  45  gpu_nccl_paths
 memcheck_w1 35  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
@@ -69,6 +71,7 @@ env         10  gpu_env
 install     60  gpu_install
 cache       10  gpu_unpack_cache
 overhead_w1 100 $BENCH --suites overhead --world 1 --timeout 30 --suite-timeout 70 --out $RES/overhead
+virtual_fp16 60 $PYTEST -m gpu tests/test_virtual_ranks.py -k "not moe and fp16"
 symm_probe  25  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
 symm_w2     40  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
 memcheck_w2 50  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
@@ -260,7 +263,7 @@ gpu_install() {  # the carried extension built for this Python (pip only maps th
 
 gpu_nccl_paths() {  # the NCCL training paths, 2 processes on the one GPU (a correctness transport)
   $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_nccl_paths.py \
-    --device cuda --backend nccl --out "$RES/nccl_paths"
+    --device cuda --backend nccl --group-timeout 20 --out "$RES/nccl_paths"
 }
 export -f gpu_env extension_name check_extension gpu_build gpu_pack_cache gpu_unpack_cache gpu_install \
   gpu_nccl_paths

@@ -87,7 +87,7 @@ def test_plan_order_and_bench_bounds():
     well inside the step's limit."""
     calls = _plan(_dry_run()[1])
     one = [s[0] for s in calls[1]["steps"]]
-    assert one.index("install") < one.index("tests_1rank") < one.index("virtual") < one.index("bench_1gpu")
+    assert one.index("install") < one.index("tests_kernels") < one.index("virtual") < one.index("bench_1gpu")
     assert one[-1] == "pack"
     returns = calls[1]["returns"]
     assert any(f.endswith(".so") for f in returns) and "triton_cache.tar.gz" in returns
