@@ -167,6 +167,11 @@ export PYTHONUNBUFFERED=1
 # call); torch.distributed's groups wait longer (tests/dist_pool.py: 90 s), so a lost flag is
 # reported by the kernel (rank, peer, flag).
 export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-15000}
+# Eager CUDA module loading in every step: with lazy loading, CUDA's default, a kernel's first
+# launch waits for the context's running kernels, so a launch queued behind a kernel that spins on
+# a flag it would set stalls until the fused timeout traps (seen on the first GPU run, where a
+# two-stream extension test's producer launch waited out the consumer's 60 s wait).
+export CUDA_MODULE_LOADING=EAGER
 # torch symmetric memory, for the multi-process smoke only: the CUDA backend (NVSHMEM cannot host
 # several ranks on one GPU), and several ranks per device allowed. env.txt records what took.
 export TORCH_SYMMMEM=CUDA TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1

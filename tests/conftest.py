@@ -1,14 +1,21 @@
 import os
+import sys
 
-import pytest
-import torch
+# Eager CUDA module loading, set before anything starts CUDA (the driver reads it once): with lazy
+# loading, CUDA's default, the first launch of a kernel waits until the context's running kernels
+# finish, so a kernel spinning on a flag that a later launch of the same process sets (virtual ranks,
+# a test's producer stream) holds that launch until the spin times out. Children inherit it.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run in the interpreter on CPU-only machines; the variable must be set before any
 # kernel module is imported (triton reads it when a kernel is decorated).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.dist_pool import Pools
+from tests.dist_pool import Pools  # noqa: E402
 
 
 def _interpreter_problem():
@@ -37,6 +44,14 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("gpus")
         if marker is not None and count < marker.args[0]:
             item.add_marker(pytest.mark.skip(reason=f"needs {marker.args[0]} GPUs, found {count}"))
+
+
+def pytest_runtest_logreport(report):
+    """A failed GPU test's report, written at once: a kernel that traps loses the CUDA context, and
+    the process may then abort before pytest prints its summary."""
+    if report.failed and "gpu" in report.keywords:
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture(scope="session")

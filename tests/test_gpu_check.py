@@ -133,18 +133,21 @@ def _log(res, name):
 
 
 def test_a_call_records_every_step_and_returns_files(tmp_path):
-    """Call 2 with stand-ins (PYTHON=true: every Python step passes at once; the sanitizer, the
-    carried extension and the cache are missing, so those steps fail): every step is in
-    summary.txt with its rc, $OUT holds the summary, env.txt and the results tarball, and the
-    call's status is 1."""
+    """Call 2 with stand-ins (PYTHON=true: every Python step passes at once; the sanitizer is
+    missing and `install` cannot ask this Python for its extension's name, so those steps fail):
+    every step is in summary.txt with its rc, $OUT holds the summary, env.txt and the results
+    tarball, and the call's status is 1."""
     proc, out, _ = _call(ROOT, "--call", "2", tmp_path=tmp_path, tag="c2", PYTHON="true",
-                         PATH="/usr/bin:/bin")
+                         PATH="/usr/bin:/bin", TMPDIR=str(tmp_path))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
     rcs = dict(re.findall(r"^(\w+) +rc=(\d+)", summary, re.M))
-    assert set(rcs) == {"env", "install", "cache", "overhead_w1", "symm_probe", "symm_w2",
-                        "memcheck_w2", "pack"}, summary
-    assert rcs["install"] != "0" and rcs["cache"] != "0" and rcs["memcheck_w2"] != "0", summary
+    assert set(rcs) == {"env", "install", "cache", "overhead_w1", "virtual_fp16", "symm_probe",
+                        "symm_w2", "memcheck_w2", "pack"}, summary
+    assert rcs["install"] != "0" and rcs["memcheck_w2"] != "0", summary
+    # the cache step unpacks what this checkout carries, if it carries one
+    carried = (ROOT / ".gpu_carry" / "triton_cache.tar.gz").exists()
+    assert (rcs["cache"] == "0") == carried, summary
     assert rcs["overhead_w1"] == "0" and rcs["symm_w2"] == "0", summary
     with tarfile.open(out / "results.tar.gz") as tar:
         logs = {Path(n).name for n in tar.getnames()}

@@ -280,3 +280,23 @@ def test_gpu_pushes_use_a_stream_per_peer(monkeypatch):
         group.free()
     assert len(seen) == 4 and all(len(set(ids)) == 3 for ids in seen), seen
     assert len({i for ids in seen for i in ids}) == 12, seen
+
+
+def test_lazy_module_loading_is_refused(monkeypatch):
+    """Virtual ranks on CUDA refuse lazy module loading (a rank's first launch of a kernel would wait
+    behind a peer's spinning kernel), by the driver's answer, else by CUDA_MODULE_LOADING."""
+    from pyfused.testing import virtual_ranks
+
+    assert virtual_ranks.cuda_loads_modules_lazily() in (None, True, False)
+    monkeypatch.setattr(virtual_ranks, "cuda_loads_modules_lazily", lambda: True)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # set too late to matter: the driver decides
+    with pytest.raises(RuntimeError, match="CUDA_MODULE_LOADING=EAGER"):
+        virtual_ranks.require_eager_module_loading()
+    monkeypatch.setattr(virtual_ranks, "cuda_loads_modules_lazily", lambda: False)
+    virtual_ranks.require_eager_module_loading()
+    monkeypatch.setattr(virtual_ranks, "cuda_loads_modules_lazily", lambda: None)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with pytest.raises(RuntimeError, match="eager module loading"):
+        virtual_ranks.require_eager_module_loading()
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
+    virtual_ranks.require_eager_module_loading()

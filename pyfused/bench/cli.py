@@ -383,6 +383,11 @@ def report(results: List[SuiteResult], base: BenchContext, out: Path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # Eager CUDA module loading for this process and the ranks it starts, before CUDA starts: with
+    # lazy loading a kernel's first launch waits for the context's running kernels, which stalls
+    # the virtual-rank suite's ranks behind their peers' spinning kernels (pyfused/testing/
+    # virtual_ranks.py); the cost is start-up time only, which no measurement includes.
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     args = parse_args(argv)
     try:
         if args.list:

@@ -35,7 +35,9 @@ needs the GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -76,6 +78,39 @@ class _SizeClass:
     waited: List[bool]                    # whether rank r's stream already waits for ``ready``
 
 
+CU_MODULE_LAZY_LOADING = 0x2  # cuda.h, CUmoduleLoadingMode
+
+
+def cuda_loads_modules_lazily() -> Optional[bool]:
+    """Whether this process's CUDA driver loads a kernel only at its first launch
+    (``cuModuleGetLoadingMode``, once CUDA has started); None where no driver answers."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    mode = ctypes.c_int(0)
+    if driver.cuModuleGetLoadingMode(ctypes.byref(mode)) != 0:
+        return None
+    return mode.value == CU_MODULE_LAZY_LOADING
+
+
+def require_eager_module_loading() -> None:
+    """Refuse lazy module loading, CUDA's default. The driver loads a kernel at its first launch and
+    first waits for the context's running kernels to finish; virtual ranks share one context, so a
+    rank whose first launch of some kernel comes after a peer's kernel started spinning on that
+    rank's flag waits behind it until the fused timeout traps: a deadlock that real ranks, each in
+    its own context, never meet."""
+    lazy = cuda_loads_modules_lazily()
+    if lazy is None:
+        lazy = os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER"
+    if lazy:
+        raise RuntimeError(
+            "virtual ranks on CUDA need eager module loading: set CUDA_MODULE_LOADING=EAGER in the "
+            "environment before the process starts CUDA (the tests' conftest.py and "
+            "benchmarks/gpu_check.sh do). With lazy loading a rank's first launch of a kernel waits "
+            "for the peers' kernels that spin on that rank's flags, until the fused timeout traps.")
+
+
 def default_sm_budget(world: int, device: torch.device) -> int:
     """About SMs / W programs per rank (at least 1); the interpreter's default on CPU."""
     if device.type != "cuda":
@@ -93,6 +128,9 @@ class VirtualGroup:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            torch.cuda.init()
+            require_eager_module_loading()
         self.world = world
         self.device = device
         self.name = f"virtual{next(_group_ids)}"
