@@ -6,13 +6,17 @@ standing in as P local buffers: hidden 8192 (Llama-3 70B), M in {2048, 8192} tok
 --quick), P in {2, 4, 8}, residual_out a separate buffer (the bytes are those of the in-place case).
 
 Rows, each a CUDA-graph replay, all measured in the same run:
-  torch.copy_      copy bandwidth of this device: a 512 MiB buffer copied, GB/s = 2 * size / time
+  torch.copy_      copy bandwidth of this device: a 2 GiB buffer copied (the copy engines' path),
+                   GB/s = 2 * size / time
+  torch.add        the same bytes copied by an elementwise kernel on the SMs (src + 0)
   torch            baseline: residual + sum of the P sources (P adds), then F.rms_norm
   triton           the fused kernel
   triton.wait      the same with 8 chunks and one flag per (source, chunk), flags pre-set
 ``gbps`` = the fused op's minimum traffic / time: (P + 1) reads and 2 writes of M x N elements plus
 the weight, the same byte count for every row of a point (the baseline moves more than that).
-``pct_copy_bw`` = gbps / the copy row's GB/s; the issue's target for the Triton rows is >= 85%.
+``pct_copy_bw`` = gbps / the faster copy row's GB/s (the first GPU run's 512 MiB ``copy_`` alone read
+2726 GB/s on an H200, slower than the fused kernel at several points, so it was no ceiling); the
+issue's target for the Triton rows is >= 85%.
 
 On CPU (no GPU) the Triton kernel would run in the interpreter: the suite then measures the copy and
 the torch baseline only (M = 256) and emits ``skipped`` rows for the Triton variants.
@@ -39,17 +43,28 @@ CHUNKS = 8
 EPS = 1e-5
 TARGET_PCT = 0.85
 TRITON_VARIANTS = ("triton", "triton.wait")
-COPY_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
+COPY_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
+# Two ways to copy, since either may be the faster on a device: the copy engine path of
+# ``Tensor.copy_`` (a device-to-device memcpy) and an elementwise kernel on the SMs (``src + 0``).
+COPY_METHODS = {"torch.copy_": lambda src, dst: dst.copy_(src),
+                "torch.add": lambda src, dst: torch.add(src, 0, out=dst)}
 
 
-def _copy_row(ctx: BenchContext, dtype: torch.dtype):
+def _copy_rows(ctx: BenchContext, dtype: torch.dtype):
+    """The copy rows and the device's copy bandwidth in this run: the faster of the two copies
+    (bytes read + written per second), the reference of every ``pct_copy_bw``."""
     nbytes = COPY_BYTES[ctx.device.type]
     src = torch.empty(nbytes // 2, dtype=torch.int16, device=ctx.device).fill_(1)
     dst = torch.empty_like(src)
-    ms = time_fn(graphed(lambda: dst.copy_(src), ctx.device), ctx)
-    gbps = 2 * nbytes / (ms * 1e-3) / 1e9
-    return op_row(ctx, shape=f"{nbytes >> 20}MiB", dtype=dtype, method="torch.copy_",
-                  transport="none", ms=ms, case="copy_bandwidth", gbps=gbps, pct_copy_bw=1.0), gbps
+    measured = {}
+    for method, copy in COPY_METHODS.items():
+        ms = time_fn(graphed(lambda copy=copy: copy(src, dst), ctx.device), ctx)
+        measured[method] = (ms, 2 * nbytes / (ms * 1e-3) / 1e9)
+    best = max(gbps for _, gbps in measured.values())
+    rows = [op_row(ctx, shape=f"{nbytes >> 20}MiB", dtype=dtype, method=method, transport="none",
+                   ms=ms, case="copy_bandwidth", gbps=gbps, pct_copy_bw=gbps / best)
+            for method, (ms, gbps) in measured.items()]
+    return rows, best
 
 
 def run(ctx: BenchContext) -> List[dict]:
@@ -59,8 +74,7 @@ def run(ctx: BenchContext) -> List[dict]:
     on_gpu = dev.type == "cuda"
     if not on_gpu:
         logger.warning("bench_reduce: no GPU; measuring copy and torch baseline only (%s)", SKIP_STATUS)
-    copy_row, copy_gbps = _copy_row(ctx, dtype)
-    rows = [copy_row]
+    rows, copy_gbps = _copy_rows(ctx, dtype)
     tokens = (TOKENS[:1] if ctx.quick else TOKENS) if on_gpu else (CPU_TOKENS,)
     n = HIDDEN
     for m in tokens:

@@ -458,3 +458,17 @@ def test_moe_model_step_rows(ranks):
         else:
             assert row["status"] == "unavailable" and row["note"], row
     assert all(r["status"] == "ok" for r in rows if r["method"] != "fused")
+
+
+def test_reduce_suite_takes_the_faster_copy_as_the_bandwidth_reference():
+    """The reduce suite times two copies of the same bytes (the copy engines' memcpy, an SM kernel)
+    and refers every bandwidth share to the faster: one slow copy path is never the ceiling."""
+    from pyfused.bench.harness import BenchContext
+    from pyfused.benchmarks import bench_reduce
+
+    ctx = BenchContext(0, 1, None, torch.device("cpu"), "local", quick=True, warmup=1, iters=2)
+    rows, best = bench_reduce._copy_rows(ctx, torch.float32)
+    assert [r["method"] for r in rows] == ["torch.copy_", "torch.add"]
+    assert best == max(r["gbps"] for r in rows) > 0
+    assert sorted(r["pct_copy_bw"] for r in rows)[-1] == 1.0
+    assert all(0 < r["pct_copy_bw"] <= 1.0 for r in rows)
