@@ -1,0 +1,213 @@
+"""Per-call host time of the fused methods' Python path, on CPU, by component.
+
+Runs each fused implementation (pyfused/fused/gemm_collectives.py) on CPU tensors over a gloo group
+(world 1 by default; ``torchrun --nproc-per-node 2`` for world 2, backend "host-shm") with the
+Triton launches replaced by a stub that returns at once, so the time measured is the host work
+around the kernels: argument checks, plan lookup, symmetric-buffer views, flag writes, status
+words, stream helpers and the launchers' own bookkeeping. No interpreter runs and nothing is
+computed; the outputs are not checked (the tests do that).
+
+Two figures per op:
+  * ``us_per_call``: the median over ``--rounds`` rounds of ``--calls`` back-to-back calls, timed
+    with ``time.perf_counter`` and no profiler attached; the ops are timed in a shuffled order per
+    round.
+  * ``--profile``: one more pass under cProfile; per component (``COMPONENTS``: the functions that
+    make it up), the cumulative time per call. cProfile slows Python calls, so these figures are
+    larger than ``us_per_call``; they say where the time goes, not what it is.
+
+What a CPU run cannot show: the CUDA-only branches (events, pinned copies, side streams, the relay
+of GEMM + reduce-scatter) and the cost of Triton's compiled launch (``JITFunction.run``: binding
+the arguments, the cache key, the driver call), which the stub replaces.
+
+    PYTHONPATH=$PWD python benchmarks/profile_fused_host.py --profile
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors run only in the interpreter
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Dict, Iterator, List  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# Component -> the functions (file name ending, function name) whose cumulative time makes it up.
+# None of them calls another of the list, so the components do not overlap.
+COMPONENTS = {
+    "argument checks": [("gemm_launch.py", "_check_inputs"), ("gemm_launch.py", "_check_options"),
+                        ("reduce_launch.py", "check_backend"), ("reduce_launch.py", "check_flags"),
+                        ("reduce_launch.py", "_check_reduce_tensors"),
+                        ("config.py", "check_not_capturing")],
+    "plans and configs": [("gemm_launch.py", "plan_gemm"), ("reduce_configs.py", "choose_reduce_config"),
+                          ("reduce_launch.py", "chunk_rows_of"), ("gemm_configs.py", "arch_of"),
+                          ("reduce_launch.py", "chunk_order_tensor"), ("config.py", "grid_budget")],
+    "timeout settings": [("config.py", "timeout_ms"), ("reduce_launch.py", "timeout_ns")],
+    "status words": [("reduce_launch.py", "new_status"), ("reduce_launch.py", "raise_on_timeout"),
+                     ("gemm_collectives.py", "watch"), ("gemm_collectives.py", "check")],
+    "symmetric buffer": [("symmetric.py", "get"), ("symmetric.py", "next_epoch"),
+                         ("symmetric.py", "peer"), ("symmetric.py", "flags"),
+                         ("gemm_collectives.py", "_table"), ("gemm_collectives.py", "_element_size")],
+    "flags and barriers": [("flags.py", "signal_flag"), ("gemm_collectives.py", "_barrier")],
+    "streams": [("streams.py", "push_streams"), ("streams.py", "join_comm_stream"),
+                ("streams.py", "comm_stream")],
+    "group queries": [("group.py", "resolve_group"), ("group.py", "world_size"), ("group.py", "rank")],
+    "launch (stub)": [("profile_fused_host.py", "launch")],
+}
+
+
+class _Launch:
+    """What ``stub[grid]`` returns: a launch that does nothing."""
+
+    def __call__(self, *args, **kwargs) -> None:
+        return launch(*args, **kwargs)
+
+
+def launch(*args, **kwargs) -> None:
+    """The stub's launch (a function of its own, so cProfile names it)."""
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Replace the persistent GEMM and the multi-source reduce by interpreted-function objects whose
+    ``kernel[grid](...)`` does nothing: the launchers still see an interpreted kernel (CPU)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pyfused.kernels import gemm, reduce
+
+    class StubKernel(InterpretedFunction):
+        def __getitem__(self, grid):
+            return _Launch()
+
+    saved = {}
+    for module, name in ((gemm, "persistent_gemm_kernel"), (reduce, "multi_source_reduce_kernel")):
+        real = getattr(module, name)
+        stub = StubKernel.__new__(StubKernel)
+        stub.__dict__.update(real.__dict__)
+        saved[(module, name)] = real
+        setattr(module, name, stub)
+    try:
+        yield
+    finally:
+        for (module, name), real in saved.items():
+            setattr(module, name, real)
+
+
+def _ops(pg, world: int, rank: int) -> Dict[str, Callable[[], object]]:
+    from pyfused.fused.gemm_collectives import fused_all_gather_matmul, fused_matmul_reduce_scatter
+
+    gen = torch.Generator().manual_seed(rank)
+    m, k, n = 16, 256, 256  # the overhead suite's first CPU shape
+    a = torch.randn(m, k, generator=gen)
+    a_rs = torch.randn(m * world, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    kw = dict(backend="host-shm")
+    return {
+        f"all_gather_matmul {m}x{k}x{n}": lambda: fused_all_gather_matmul(a, b, pg, False, **kw),
+        f"matmul_reduce_scatter {m * world}x{k}x{n}": lambda: fused_matmul_reduce_scatter(a_rs, b, pg, **kw),
+    }
+
+
+def _timed(ops: Dict[str, Callable[[], object]], pg, world: int, rounds: int,
+           calls: int) -> Dict[str, List[float]]:
+    names = list(ops)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    order = random.Random(rounds)
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
+            if world > 1:
+                dist.barrier(group=pg)
+            fn = ops[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
+    return times
+
+
+def _profiled(fn: Callable[[], object], calls: int) -> Dict[str, float]:
+    """us per call per component under cProfile, and the total."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    out = {}
+    for component, funcs in COMPONENTS.items():
+        cum = 0.0
+        for (path, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+            if any(path.endswith(f) and func == name for f, name in funcs):
+                cum += ct
+        out[component] = cum * 1e6 / calls
+    out["total (profiled)"] = sum(tt for (_cc, _nc, tt, _ct, _c) in stats.values()) * 1e6 / calls
+    return out
+
+
+def _top(fn: Callable[[], object], calls: int, limit: int) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if limit:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(limit)
+
+
+def _init_group() -> None:
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=200, help="calls per timed round")
+    p.add_argument("--rounds", type=int, default=31, help="timed rounds (the median is reported)")
+    p.add_argument("--profile", action="store_true", help="also the per-component split (cProfile)")
+    p.add_argument("--top", type=int, default=0, help="also print cProfile's top N functions per op")
+    args = p.parse_args()
+    _init_group()
+    pg = dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    from pyfused.comm.symmetric import free_all
+
+    try:
+        with stubbed_launches():
+            ops = _ops(pg, world, rank)
+            for fn in ops.values():  # buffers, tables and caches are made on the first call
+                fn()
+            times = _timed(ops, pg, world, args.rounds, args.calls)
+            split = {name: _profiled(fn, args.calls) for name, fn in ops.items()} if args.profile else {}
+            if rank == 0:
+                for name, t in times.items():
+                    print(f"{name}, world {world}: {statistics.median(t):.1f} us per call "
+                          f"(median of {args.rounds} rounds of {args.calls} calls; best "
+                          f"{min(t):.1f})")
+                    for component, us in split.get(name, {}).items():
+                        print(f"    {component:<20} {us:8.1f} us")
+            for name, fn in ops.items() if args.top else ():  # every rank calls: they are collective
+                if rank == 0:
+                    print(f"--- {name}")
+                _top(fn, args.calls, args.top if rank == 0 else 0)
+        if world > 1:
+            dist.barrier()
+    finally:
+        free_all()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
