@@ -32,6 +32,7 @@ import inspect
 import os
 import signal
 import time
+import weakref
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -59,15 +60,27 @@ class PeerFailure(dist.DistError):
         self.peer = peer
 
 
+# Each group's backend, found once: the search below costs about 10 us (an exception per device
+# type the group has no backend for), and a fused call asks for the default group's timeout every
+# time. The timeout itself is read from the backend's options at each call: set_timeout changes it.
+_BACKENDS: "weakref.WeakKeyDictionary[dist.ProcessGroup, object]" = weakref.WeakKeyDictionary()
+
+
 def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:
     """The timeout of ``pg``'s backend (what bounds its collectives), or None if unknown."""
     if pg is None:
         return None
+    backend = _BACKENDS.get(pg)
+    if backend is not None:
+        return backend.options._timeout
     for device in ("cpu", "cuda"):
         try:
-            return pg._get_backend(torch.device(device)).options._timeout
+            backend = pg._get_backend(torch.device(device))
+            timeout = backend.options._timeout
         except (RuntimeError, AttributeError, ValueError):
             continue
+        _BACKENDS[pg] = backend
+        return timeout
     return None
 
 
