@@ -13,6 +13,7 @@ repository yet (docs/PERF_kernels.md lists the GPU runs that will check them).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -81,7 +82,13 @@ def arch_of(device: torch.device) -> str:
     GPUs), or "interpreter" for CPU tensors."""
     if device.type != "cuda":
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> str:
+    """``arch_of`` of cuda:``index``, asked once per device (launches ask on every call)."""
+    major, _ = torch.cuda.get_device_capability(index)
     return "sm_90" if major >= 9 else "sm_80"
 
 

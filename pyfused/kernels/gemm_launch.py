@@ -83,12 +83,22 @@ class GemmPlan:
 
 def plan_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *,
               num_chunks: int = 1, config=None, allow_tf32: bool = False) -> GemmPlan:
-    """The config and tile counts ``gemm`` uses for these arguments (deterministic; see module doc)."""
-    from .gemm_configs import arch_of, choose_gemm_config
+    """The config and tile counts ``gemm`` uses for these arguments (deterministic; see module doc).
+    A pure function of its arguments, so it is computed once per distinct call (a launch asks for
+    it on every call)."""
+    from .gemm_configs import arch_of
+
+    return _plan_gemm(m, n, k, dtype, arch_of(torch.device(device)), num_chunks, config,
+                      bool(allow_tf32))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_gemm(m: int, n: int, k: int, dtype: torch.dtype, arch: str, num_chunks: int, config,
+               allow_tf32: bool) -> GemmPlan:
+    from .gemm_configs import choose_gemm_config
 
     chunk_rows = chunk_rows_of(m, num_chunks)
-    cfg = config or choose_gemm_config(m, n, k, dtype, arch_of(torch.device(device)), num_chunks,
-                                       allow_tf32)
+    cfg = config or choose_gemm_config(m, n, k, dtype, arch, num_chunks, allow_tf32)
     tm, tn = cfg.tiles(chunk_rows, n)
     return GemmPlan(cfg, m, n, num_chunks, chunk_rows, tm * tn)
 

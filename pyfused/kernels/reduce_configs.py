@@ -7,6 +7,7 @@ fp32 accumulators per program); none has been measured in this repository yet.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function, asked on every launch
 def choose_reduce_config(m: int, n: int, num_sources: int, dtype: torch.dtype, arch: str,
                          num_chunks: int = 1, rmsnorm: bool = False) -> ReduceConfig:
     if rmsnorm and n > max_norm_hidden(dtype):

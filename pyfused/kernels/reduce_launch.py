@@ -176,7 +176,7 @@ def chunk_rows_of(m: int, num_chunks: int) -> int:
     return rows
 
 
-_order_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+_order_cache: Dict[Tuple[Tuple[int, ...], int, torch.device], Tensor] = {}
 
 
 def chunk_order_tensor(order: Optional[Sequence[int]], num_chunks: int,
@@ -187,13 +187,15 @@ def chunk_order_tensor(order: Optional[Sequence[int]], num_chunks: int,
         return None
     if isinstance(order, Tensor):
         raise TypeError("chunk_order must be a sequence of ints (it is validated on the host)")
-    order = tuple(int(c) for c in order)
-    if sorted(order) != list(range(num_chunks)):
-        raise ValueError(f"chunk_order must be a permutation of range({num_chunks}), got {order}")
-    key = (order, device)
-    if key not in _order_cache:
-        _order_cache[key] = torch.tensor(order, dtype=torch.int32).to(device)
-    return _order_cache[key]
+    cached = _order_cache.get((tuple(order), num_chunks, device))
+    if cached is not None:  # an order is checked once, when it is first seen
+        return cached
+    ints = tuple(int(c) for c in order)
+    if sorted(ints) != list(range(num_chunks)):
+        raise ValueError(f"chunk_order must be a permutation of range({num_chunks}), got {ints}")
+    tensor = torch.tensor(ints, dtype=torch.int32).to(device)
+    _order_cache[(tuple(order), num_chunks, device)] = tensor
+    return tensor
 
 
 def check_flags(name: str, flags: Tensor, shape: Tuple[int, ...], device: torch.device) -> None:
