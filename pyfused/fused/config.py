@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -81,7 +82,14 @@ def grid_budget(device: torch.device) -> int:
         return budget
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return max(1, torch.cuda.get_device_properties(device).multi_processor_count - RELAY_SMS)
+    return max(1, _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+               - RELAY_SMS)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """The SMs of cuda:``index``, asked once per device (every fused launch needs them)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def all_reduce_algo(nbytes: int, world: int) -> int:

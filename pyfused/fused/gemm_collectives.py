@@ -58,6 +58,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
@@ -119,20 +120,17 @@ class TimeoutWatch:
 TIMEOUTS = TimeoutWatch()
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _waits_block(device: torch.device) -> bool:
     """Whether a kernel's wait can outlast the peer's flag write it waits for (GPU; interpreted
     launches that may overlap), or a host barrier must order them (see "CPU model")."""
     return device.type == "cuda" or interpreter_launches_concurrent()
 
 
-def _barrier(buf: SymmetricBuffer, channel: int, epoch: int) -> None:
+def _barrier(buf: SymmetricBuffer, channel: int, epoch: int, timeout_ms: Optional[int] = None) -> None:
+    """The ranks' barrier on ``channel`` (``timeout_ms``: the call's ``config.timeout_ms()``)."""
     if buf.world > 1:
-        torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, buf.rank, channel, 0, epoch,
-                                       config.timeout_ms())
+        timeout_ms = config.timeout_ms() if timeout_ms is None else timeout_ms
+        torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, buf.rank, channel, 0, epoch, timeout_ms)
 
 
 @contextmanager
@@ -147,12 +145,63 @@ def _on(stream, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _table(buf: SymmetricBuffer, key, addrs: List[int], shape, dtype, device) -> PointerTable:
-    """A pointer table built once per buffer and layout (no host-to-device copy per call)."""
-    table = buf.extras.get(key)
-    if table is None:
-        table = buf.extras[key] = PointerTable.from_addresses(addrs, shape, (shape[1], 1), dtype, device)
-    return table
+@dataclass
+class _GatherLayout:
+    """The views ``fused_all_gather_matmul`` takes of one buffer for one (m, K, dtype): built on the
+    first call and kept in the buffer's ``extras`` (dropped when the buffer is freed)."""
+
+    gathered: Tensor  # this rank's data area as [W*m, K]
+    own_rows: Tensor  # its rows [r*m, (r+1)*m)
+    flags: Tensor  # this rank's W chunk flags
+    # step i = 1 .. W-1: (q = r+i, q's rows [r*m, (r+1)*m), q's flags)
+    pushes: List[Tuple[int, Tensor, Tensor]]
+    order: List[int]  # the GEMM's chunk order: r, r-1, r-2, ...
+
+
+def _gather_layout(buf: SymmetricBuffer, m: int, k: int, dtype: torch.dtype) -> _GatherLayout:
+    key = ("ag", m, k, dtype)
+    layout = buf.extras.get(key)
+    if layout is None:
+        w, r = buf.world, buf.rank
+        gathered = buf.local_view((w * m, k), dtype)
+        pushes = [((r + i) % w, buf.peer((r + i) % w, (w * m, k), dtype)[r * m:(r + 1) * m],
+                   buf.flags((r + i) % w, count=w)) for i in range(1, w)]
+        # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1
+        # first, then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
+        layout = buf.extras[key] = _GatherLayout(gathered, gathered[r * m:(r + 1) * m],
+                                                 buf.flags(count=w), pushes,
+                                                 [(r - i) % w for i in range(w)])
+    return layout
+
+
+@dataclass
+class _ScatterLayout:
+    """What ``fused_matmul_reduce_scatter`` takes of one buffer for one (M/W, N, dtype), built once
+    like ``_GatherLayout``. Pointer tables are built once per buffer and layout: no host-to-device
+    copy per call."""
+
+    targets: PointerTable  # chunk c -> slot r of rank c's buffer
+    sources: PointerTable  # slot s of this rank's buffer, s = 0 .. W-1
+    flags: Tensor  # this rank's W chunk flags
+    peer_flags: List[Tuple[int, Tensor]]  # the GEMM's chunk order without r: (c, rank c's flags)
+    order: List[int]  # the GEMM's chunk order: r+1, r+2, ..., r
+
+
+def _scatter_layout(buf: SymmetricBuffer, mc: int, n: int, dtype: torch.dtype) -> _ScatterLayout:
+    key = ("rs", mc, n, dtype)
+    layout = buf.extras.get(key)
+    if layout is None:
+        w, r, device = buf.world, buf.rank, buf.device
+        slot = mc * n * dtype.itemsize
+        targets = PointerTable.from_addresses([buf.buffer_ptrs[c] + r * slot for c in range(w)],
+                                              (mc, n), (n, 1), dtype, device)
+        sources = PointerTable.from_addresses([buf.buffer_ptrs[r] + s * slot for s in range(w)],
+                                              (mc, n), (n, 1), dtype, device)
+        order = [(r + 1 + i) % w for i in range(w)]
+        layout = buf.extras[key] = _ScatterLayout(
+            targets, sources, buf.flags(count=w),
+            [(c, buf.flags(c, count=w)) for c in order if c != r], order)
+    return layout
 
 
 def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
@@ -164,35 +213,31 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     w, r = world_size(pg), group_rank(pg)
     m, k = a.shape
     dtype, device = a.dtype, a.device
-    buf = SymmetricBuffer.get(pg, w * m * k * _element_size(dtype), device, backend)
+    buf = SymmetricBuffer.get(pg, w * m * k * dtype.itemsize, device, backend)
+    layout = _gather_layout(buf, m, k, dtype)
     epoch = buf.next_epoch()
-    gathered = buf.local_view((w * m, k), dtype)
-    flags = buf.flags(count=w)
-    _barrier(buf, CHAN_ENTRY, epoch)
-    gathered[r * m:(r + 1) * m].copy_(a)
-    signal_flag(flags, r, epoch)
+    timeout = config.timeout_ms()
+    _barrier(buf, CHAN_ENTRY, epoch, timeout)
+    layout.own_rows.copy_(a)
+    signal_flag(layout.flags, r, epoch)
     pushes = streams.push_streams(device, w - 1)
-    for i, stream in enumerate(pushes, start=1):
-        q = (r + i) % w
+    for stream, (q, rows, flags) in zip(pushes, layout.pushes):
         with _on(stream, device):
-            buf.peer(q, (w * m, k), dtype)[r * m:(r + 1) * m].copy_(a)
-            signal_flag(buf.flags(q, count=w), r, epoch)
+            rows.copy_(a)
+            signal_flag(flags, r, epoch)
         streams.keep_alive(a, stream)
     if not _waits_block(device):
-        _barrier(buf, CHAN_SYNC, epoch)
-    # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1 first,
-    # then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
-    order = [(r - i) % w for i in range(w)]
+        _barrier(buf, CHAN_SYNC, epoch, timeout)
     # The persistent GEMM spins on SMs waiting for peers' chunks, while this rank's own signal
     # kernels (push streams) must still find an SM for the peers' GEMMs to progress: capped grid.
     status = new_status(device)
-    out = gemm(gathered, b, num_chunks=w, chunk_order=order, wait_flags=flags, wait_expected=epoch,
-               flag_scope="sys", status=status, num_programs=config.grid_budget(device),
-               timeout_ms=config.timeout_ms())
+    out = gemm(layout.gathered, b, num_chunks=w, chunk_order=layout.order, wait_flags=layout.flags,
+               wait_expected=epoch, flag_scope="sys", status=status,
+               num_programs=config.grid_budget(device), timeout_ms=timeout)
     TIMEOUTS.watch(status, lambda code: f"{describe_gemm_timeout(code)}: flag {code - 1} of rank {r}, "
                    f"set by peer {code - 1}'s push", f"fused all_gather_matmul, rank {r}")
     streams.join_comm_stream(device, *pushes)
-    return out, (gathered.clone() if keep_gathered else None)
+    return out, (layout.gathered.clone() if keep_gathered else None)
 
 
 def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[str] = None) -> Tensor:
@@ -205,16 +250,12 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
     n = b.shape[1]
     mc = big_m // w
     dtype, device = a.dtype, a.device
-    slot = mc * n * _element_size(dtype)
-    buf = SymmetricBuffer.get(pg, w * slot, device, backend)
+    buf = SymmetricBuffer.get(pg, w * mc * n * dtype.itemsize, device, backend)
+    layout = _scatter_layout(buf, mc, n, dtype)
     epoch = buf.next_epoch()
-    flags = buf.flags(count=w)
-    targets = _table(buf, ("rs-targets", mc, n, dtype),
-                     [buf.buffer_ptrs[c] + r * slot for c in range(w)], (mc, n), dtype, device)
-    sources = _table(buf, ("rs-sources", mc, n, dtype),
-                     [buf.buffer_ptrs[r] + s * slot for s in range(w)], (mc, n), dtype, device)
-    order = [(r + 1 + i) % w for i in range(w)]
-    _barrier(buf, CHAN_ENTRY, epoch)
+    timeout = config.timeout_ms()
+    budget = config.grid_budget(device)
+    _barrier(buf, CHAN_ENTRY, epoch, timeout)
     if device.type == "cuda":
         # The relay waits for the tile count of this rank's GEMM config, which depends on TF32:
         # the plan and the launch must see the same allow_tf32.
@@ -223,31 +264,30 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         counters = torch.zeros(w, dtype=torch.int32, device=device)
         relay = streams.comm_stream(device)
         relay.wait_stream(torch.cuda.current_stream(device))  # sees the barrier and the zeroed counters
-        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets, signal_counters=counters,
-             signal_scope="sys", num_programs=config.grid_budget(device), allow_tf32=tf32)
+        gemm(a, b, num_chunks=w, chunk_order=layout.order, out_chunks=layout.targets,
+             signal_counters=counters, signal_scope="sys", num_programs=budget, allow_tf32=tf32)
         # This rank's own slot is written by the GEMM just queued on this stream, so its flag is set
         # here, stream-ordered after it: the reduce below then never spins on a flag whose setter
         # (a relay kernel) would need an SM that the spinning reduce's programs may all hold.
-        signal_flag(flags, r, epoch)
+        signal_flag(layout.flags, r, epoch)
         with torch.cuda.stream(relay):
-            for c in order:
-                if c == r:
-                    continue
-                wait_flag(counters, c, plan.tiles_per_chunk, config.timeout_ms())
-                signal_flag(buf.flags(c, count=w), r, epoch)
+            for c, peer_flags in layout.peer_flags:
+                wait_flag(counters, c, plan.tiles_per_chunk, timeout)
+                signal_flag(peer_flags, r, epoch)
         streams.keep_alive(counters, relay)
         streams.keep_alive(a, relay)
     else:
-        gemm(a, b, num_chunks=w, chunk_order=order, out_chunks=targets,
-             num_programs=config.grid_budget(device))
-        for c in order:
-            signal_flag(buf.flags(c, count=w), r, epoch)
+        gemm(a, b, num_chunks=w, chunk_order=layout.order, out_chunks=layout.targets,
+             num_programs=budget)
+        for c, peer_flags in layout.peer_flags:
+            signal_flag(peer_flags, r, epoch)
+        signal_flag(layout.flags, r, epoch)
         if not _waits_block(device):
-            _barrier(buf, CHAN_SYNC, epoch)
+            _barrier(buf, CHAN_SYNC, epoch, timeout)
     status = new_status(device)
-    out = multi_source_reduce(sources, wait_flags=flags.view(w, 1), wait_expected=epoch,
-                              flag_scope="sys", status=status, timeout_ms=config.timeout_ms(),
-                              num_programs=config.grid_budget(device))
+    out = multi_source_reduce(layout.sources, wait_flags=layout.flags.view(w, 1), wait_expected=epoch,
+                              flag_scope="sys", status=status, timeout_ms=timeout,
+                              num_programs=budget)
     describe = describe_reduce_timeout(w, 1)
     TIMEOUTS.watch(status, lambda code: f"{describe(code)}: flag {code - 1} of rank {r}, set by peer "
                    f"{code - 1}'s relay", f"fused matmul_reduce_scatter, rank {r}")
