@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
+
+from ..comm.faults import group_timeout
 
 ONE_SHOT = 0
 TWO_SHOT = 1
@@ -112,10 +115,6 @@ def timeout_ms() -> int:
     env = os.environ.get("PYFUSED_FUSED_TIMEOUT_MS")
     if env is not None:
         return min(int(env), 10**9)
-    import torch.distributed as dist
-
-    from ..comm.faults import group_timeout
-
     timeout = group_timeout(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
     if not timeout:
         return 60000
