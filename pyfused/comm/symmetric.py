@@ -244,13 +244,13 @@ class SymmetricBuffer:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         name = backend or default_backend()
-        ok, why = symmetric_status(device, name)
-        if not ok:
-            raise SymmetricUnavailable(why)
         data_bytes = size_class(nbytes)
         key = (_group_name(pg), str(device), name, data_bytes)
         buf = cls._cache.get(key)
-        if buf is None:
+        if buf is None:  # a cached buffer passed the status check when it was made
+            ok, why = symmetric_status(device, name)
+            if not ok:
+                raise SymmetricUnavailable(why)
             buf = cls._create(pg, data_bytes, device, name, key, gather)
             cls._cache[key] = buf
         return buf
