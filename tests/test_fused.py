@@ -79,9 +79,21 @@ def test_all_reduce_rows_cpu_model(ranks, world):
 
 
 def _fused_ops(rank, world, dtype):
-    """The four fused implementations over host-shm, twice each and interleaved, so buffers,
-    pointer tables and epochs are reused across calls and ops."""
+    """The four fused implementations over host-shm, interleaved, twice on one set of buffers with
+    two shapes of one size class (so buffers, their per-shape views, pointer tables and epochs are
+    reused across calls and ops), then again once the buffers were freed."""
     from pyfused.comm.symmetric import free_all, live_buffers
+
+    for it in range(2):
+        _fused_round(rank, world, dtype, it)
+    assert all(b.epoch >= 2 for b in live_buffers())
+    free_all()
+    _fused_round(rank, world, dtype, 2)
+    free_all()
+    return True
+
+
+def _fused_round(rank, world, dtype, it):
     from pyfused.fused.all_reduce import fused_all_reduce_add_rmsnorm, fused_matmul_all_reduce
     from pyfused.fused.gemm_collectives import fused_all_gather_matmul, fused_matmul_reduce_scatter
     from pyfused.ops import (
@@ -92,32 +104,28 @@ def _fused_ops(rank, world, dtype):
     )
 
     kw = dict(backend="host-shm")
-    for it in range(2):
-        seed = 10 * it
-        a_all = rank_tensors(seed, world, (3, 16), dtype)
-        b_all = rank_tensors(seed + 1, world, (16, 8), dtype, scale=0.25)
-        out, gathered = fused_all_gather_matmul(a_all[rank], b_all[rank], None, True, **kw)
-        assert_close(out, all_gather_matmul_ref(a_all, b_all[rank]), dtype, f"all_gather_matmul it {it}")
-        assert torch.equal(gathered, torch.cat(a_all)), "gathered input"
+    seed, rows = 10 * it, 3 + 2 * (it % 2)
+    a_all = rank_tensors(seed, world, (rows, 16), dtype)
+    b_all = rank_tensors(seed + 1, world, (16, 8), dtype, scale=0.25)
+    out, gathered = fused_all_gather_matmul(a_all[rank], b_all[rank], None, True, **kw)
+    assert_close(out, all_gather_matmul_ref(a_all, b_all[rank]), dtype, f"all_gather_matmul it {it}")
+    assert torch.equal(gathered, torch.cat(a_all)), "gathered input"
 
-        m_all = rank_tensors(seed + 2, world, (2 * world, 16), dtype)
-        out = fused_matmul_reduce_scatter(m_all[rank], b_all[rank], None, **kw)
-        assert_close(out, matmul_reduce_scatter_ref(m_all, b_all, rank), dtype,
-                     f"matmul_reduce_scatter it {it}")
+    m_all = rank_tensors(seed + 2, world, ((rows - 1) * world, 16), dtype)
+    out = fused_matmul_reduce_scatter(m_all[rank], b_all[rank], None, **kw)
+    assert_close(out, matmul_reduce_scatter_ref(m_all, b_all, rank), dtype,
+                 f"matmul_reduce_scatter it {it}")
 
-        out = fused_matmul_all_reduce(m_all[rank], b_all[rank], None, **kw)
-        assert_close(out, matmul_all_reduce_ref(m_all, b_all), dtype, f"matmul_all_reduce it {it}")
+    out = fused_matmul_all_reduce(m_all[rank], b_all[rank], None, **kw)
+    assert_close(out, matmul_all_reduce_ref(m_all, b_all), dtype, f"matmul_all_reduce it {it}")
 
-        x_all = rank_tensors(seed + 3, world, (5, 24), dtype)
-        res = rank_tensors(seed + 4, 1, (5, 24), dtype)[0]
-        w = rank_tensors(seed + 5, 1, (24,), dtype)[0]
-        normed, new_res = fused_all_reduce_add_rmsnorm(x_all[rank], res, w, 1e-6, None, **kw)
-        ref_normed, ref_res = all_reduce_add_rmsnorm_ref(x_all, res, w, 1e-6)
-        assert_close(new_res, ref_res, dtype, f"new_residual it {it}")
-        assert_close(normed, ref_normed, dtype, f"normed it {it}")
-    assert all(b.epoch >= 2 for b in live_buffers())
-    free_all()
-    return True
+    x_all = rank_tensors(seed + 3, world, (5, 24), dtype)
+    res = rank_tensors(seed + 4, 1, (5, 24), dtype)[0]
+    w = rank_tensors(seed + 5, 1, (24,), dtype)[0]
+    normed, new_res = fused_all_reduce_add_rmsnorm(x_all[rank], res, w, 1e-6, None, **kw)
+    ref_normed, ref_res = all_reduce_add_rmsnorm_ref(x_all, res, w, 1e-6)
+    assert_close(new_res, ref_res, dtype, f"new_residual it {it}")
+    assert_close(normed, ref_normed, dtype, f"normed it {it}")
 
 
 @pytest.mark.interpreter
