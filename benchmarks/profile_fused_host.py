@@ -16,16 +16,22 @@ Two figures per op:
     larger than ``us_per_call``; they say where the time goes, not what it is.
 
 What a CPU run cannot show: the CUDA-only branches (events, pinned copies, side streams, the relay
-of GEMM + reduce-scatter) and the cost of Triton's compiled launch (``JITFunction.run``: binding
-the arguments, the cache key, the driver call), which the stub replaces.
+of GEMM + reduce-scatter) and the driver's own launch. ``--jit-launch`` times the Python part of
+Triton's compiled launch instead (``JITFunction.run``: binding and specializing the arguments, the
+cache key, the lookup), for the persistent GEMM with the all-gather GEMM's arguments, against a
+stand-in driver (an sm_90 target, stream 0) and a stand-in compiled kernel whose launch does
+nothing: a lower bound of what ``kernel[grid](...)`` costs a GPU host per call.
 
     PYTHONPATH=$PWD python benchmarks/profile_fused_host.py --profile
+    PYTHONPATH=$PWD python benchmarks/profile_fused_host.py --jit-launch
 """
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors run only in the interpreter
+if "--jit-launch" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors run only in the interpreter
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -162,6 +168,62 @@ def _top(fn: Callable[[], object], calls: int, limit: int) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(limit)
 
 
+def jit_launch_us(rounds: int, calls: int) -> List[float]:
+    """Per round, us per ``persistent_gemm_kernel[grid](...)`` through ``JITFunction.run`` with a
+    stand-in driver and compiled kernel (module docstring); needs TRITON_INTERPRET unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from pyfused.kernels import gemm
+
+    class StandInDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    class StandInKernel:
+        function = packed_metadata = None
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            return None
+
+    kernel = gemm.persistent_gemm_kernel
+    if not hasattr(kernel, "device_caches"):
+        raise RuntimeError("--jit-launch needs the compiled kernel: unset TRITON_INTERPRET")
+    driver.set_active(StandInDriver())
+
+    def compile_nothing(key, signature, device, constexprs, options, attrs, warmup):
+        compiled = kernel.device_caches[device][0][key] = StandInKernel()
+        return compiled
+
+    kernel._do_compile = compile_nothing
+    m, k, n = 16, 256, 256  # the arguments fused_all_gather_matmul passes at world 1
+    a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    word = torch.zeros(1, dtype=torch.int32)
+    args = (a, b, c, word, word, word, word, word, word, m, n, k, m, 1, k, 1, n, 1, n, 1, 1,
+            1 << 26, 60 * 10**9)
+    options = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, EVEN_K=True, WAIT=True,
+                   SIGNAL=False, SCATTER=False, HAS_BIAS=False, HAS_ORDER=True, ALIGNED_OUT=False,
+                   INPUT_PRECISION="tf32", FLAG_SCOPE="sys", SIGNAL_SCOPE="gpu", WALL_CLOCK=True,
+                   num_warps=4, num_stages=3)
+    kernel[(4,)](*args, **options)  # the stand-in "compile"
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            kernel[(4,)](*args, **options)
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return times
+
+
 def _init_group() -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -178,7 +240,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=31, help="timed rounds (the median is reported)")
     p.add_argument("--profile", action="store_true", help="also the per-component split (cProfile)")
     p.add_argument("--top", type=int, default=0, help="also print cProfile's top N functions per op")
+    p.add_argument("--jit-launch", action="store_true",
+                   help="time Triton's compiled launch path instead (module docstring)")
     args = p.parse_args()
+    if args.jit_launch:
+        t = jit_launch_us(args.rounds, args.calls)
+        print(f"persistent_gemm_kernel[grid](...) through JITFunction.run: {statistics.median(t):.1f} "
+              f"us per launch (median of {args.rounds} rounds of {args.calls}; best {min(t):.1f})")
+        return
     _init_group()
     pg = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
