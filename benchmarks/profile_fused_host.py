@@ -7,10 +7,11 @@ around the kernels: argument checks, plan lookup, symmetric-buffer views, flag w
 words, stream helpers and the launchers' own bookkeeping. No interpreter runs and nothing is
 computed; the outputs are not checked (the tests do that).
 
-Two figures per op:
-  * ``us_per_call``: the median over ``--rounds`` rounds of ``--calls`` back-to-back calls, timed
-    with ``time.perf_counter`` and no profiler attached; the ops are timed in a shuffled order per
-    round.
+Figures per op:
+  * us per call: the median over ``--rounds`` rounds of ``--calls`` back-to-back calls, timed
+    with ``time.perf_counter`` and no profiler attached, in a shuffled order per round; beside it
+    the same in this thread's CPU time (``time.thread_time``), which time spent descheduled on a
+    loaded machine does not inflate.
   * ``--profile``: one more pass under cProfile; per component (``COMPONENTS``: the functions that
     make it up), the cumulative time per call. cProfile slows Python calls, so these figures are
     larger than ``us_per_call``; they say where the time goes, not what it is.
@@ -41,7 +42,7 @@ import random  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from typing import Callable, Dict, Iterator, List  # noqa: E402
+from typing import Callable, Dict, Iterator, List, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -77,8 +78,12 @@ class _Launch:
         return launch(*args, **kwargs)
 
 
+LAUNCHES = [0]  # stubbed launches so far
+
+
 def launch(*args, **kwargs) -> None:
     """The stub's launch (a function of its own, so cProfile names it)."""
+    LAUNCHES[0] += 1
 
 
 @contextlib.contextmanager
@@ -123,20 +128,23 @@ def _ops(pg, world: int, rank: int) -> Dict[str, Callable[[], object]]:
 
 
 def _timed(ops: Dict[str, Callable[[], object]], pg, world: int, rounds: int,
-           calls: int) -> Dict[str, List[float]]:
+           calls: int) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """Per op and round, us per call in wall-clock time and in this thread's CPU time."""
     names = list(ops)
     times: Dict[str, List[float]] = {name: [] for name in names}
+    cpu: Dict[str, List[float]] = {name: [] for name in names}
     order = random.Random(rounds)
     for _ in range(rounds):
         for name in order.sample(names, len(names)):
             if world > 1:
                 dist.barrier(group=pg)
             fn = ops[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 fn()
             times[name].append((time.perf_counter() - t0) * 1e6 / calls)
-    return times
+            cpu[name].append((time.thread_time() - c0) * 1e6 / calls)
+    return times, cpu
 
 
 def _profiled(fn: Callable[[], object], calls: int) -> Dict[str, float]:
@@ -256,15 +264,19 @@ def main() -> None:
     try:
         with stubbed_launches():
             ops = _ops(pg, world, rank)
-            for fn in ops.values():  # buffers, tables and caches are made on the first call
+            launches = {}
+            for name, fn in ops.items():  # buffers, tables and caches are made on the first call
+                before = LAUNCHES[0]
                 fn()
-            times = _timed(ops, pg, world, args.rounds, args.calls)
+                launches[name] = LAUNCHES[0] - before
+            times, cpu = _timed(ops, pg, world, args.rounds, args.calls)
             split = {name: _profiled(fn, args.calls) for name, fn in ops.items()} if args.profile else {}
             if rank == 0:
                 for name, t in times.items():
-                    print(f"{name}, world {world}: {statistics.median(t):.1f} us per call "
-                          f"(median of {args.rounds} rounds of {args.calls} calls; best "
-                          f"{min(t):.1f})")
+                    print(f"{name}, world {world}: {statistics.median(t):.1f} us per call, "
+                          f"{statistics.median(cpu[name]):.1f} us of thread CPU time (medians of "
+                          f"{args.rounds} rounds of {args.calls} calls; best {min(t):.1f} / "
+                          f"{min(cpu[name]):.1f}; {launches[name]} stubbed launches per call)")
                     for component, us in split.get(name, {}).items():
                         print(f"    {component:<20} {us:8.1f} us")
             for name, fn in ops.items() if args.top else ():  # every rank calls: they are collective
