@@ -85,8 +85,8 @@ def grid_budget(device: torch.device) -> int:
         return budget
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return max(1, _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-               - RELAY_SMS)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, _sm_count(index) - RELAY_SMS)
 
 
 @functools.lru_cache(maxsize=None)

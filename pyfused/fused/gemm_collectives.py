@@ -153,8 +153,8 @@ class _GatherLayout:
     gathered: Tensor  # this rank's data area as [W*m, K]
     own_rows: Tensor  # its rows [r*m, (r+1)*m)
     flags: Tensor  # this rank's W chunk flags
-    # step i = 1 .. W-1: (q = r+i, q's rows [r*m, (r+1)*m), q's flags)
-    pushes: List[Tuple[int, Tensor, Tensor]]
+    # step i = 1 .. W-1, to peer q = r+i: (q's rows [r*m, (r+1)*m), q's flags)
+    pushes: List[Tuple[Tensor, Tensor]]
     order: List[int]  # the GEMM's chunk order: r, r-1, r-2, ...
 
 
@@ -164,8 +164,9 @@ def _gather_layout(buf: SymmetricBuffer, m: int, k: int, dtype: torch.dtype) -> 
     if layout is None:
         w, r = buf.world, buf.rank
         gathered = buf.local_view((w * m, k), dtype)
-        pushes = [((r + i) % w, buf.peer((r + i) % w, (w * m, k), dtype)[r * m:(r + 1) * m],
-                   buf.flags((r + i) % w, count=w)) for i in range(1, w)]
+        peers = [(r + i) % w for i in range(1, w)]
+        pushes = [(buf.peer(q, (w * m, k), dtype)[r * m:(r + 1) * m], buf.flags(q, count=w))
+                  for q in peers]
         # Chunks in the order they land: rank s pushes to s+1, s+2, ..., so rank r receives r-1
         # first, then r-2, ...; the GEMM takes its own chunk, then r-1, r-2, ...
         layout = buf.extras[key] = _GatherLayout(gathered, gathered[r * m:(r + 1) * m],
@@ -221,7 +222,7 @@ def fused_all_gather_matmul(a: Tensor, b: Tensor, pg, keep_gathered: bool, *,
     layout.own_rows.copy_(a)
     signal_flag(layout.flags, r, epoch)
     pushes = streams.push_streams(device, w - 1)
-    for stream, (q, rows, flags) in zip(pushes, layout.pushes):
+    for stream, (rows, flags) in zip(pushes, layout.pushes):
         with _on(stream, device):
             rows.copy_(a)
             signal_flag(flags, r, epoch)
