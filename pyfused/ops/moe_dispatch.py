@@ -111,8 +111,7 @@ def dispatch_rows(op: str, rows: Tensor, routing: Routing, weight: Optional[Tens
     if method == "decomposed":
         return _decomposed(op, rows, routing, weight, pg, keep_received)
     moved = moe_exchange.exchange(op, rows, routing.send, routing.recv, pg)
-    index = routing.expert_index()
-    received = moved if index is None else moved.new_empty(moved.shape).index_copy_(0, index, moved)
+    received = routing.source_to_expert_major(moved)
     if weight is None:
         return received, received
     return grouped_mm(received, weight, counts), received
