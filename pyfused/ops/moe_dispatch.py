@@ -49,8 +49,8 @@ INPUTS = ("x", "topk_idx", "weight")
 _ABSENT = torch.empty(0)  # stands for an absent weight in the call's signature (options say so)
 
 # Below this many elements in each expert's weight (H x N) the per-peer messages of the
-# decomposed method cost more than the overlap saves (docs/MOE.md gives the measurement); ``auto``
-# keeps unfused there.
+# decomposed method are taken to cost more than the overlap saves; ``auto`` keeps unfused there.
+# docs/MOE.md ("Per-call overhead") says what the CPU value rests on.
 DECOMPOSE_MIN_WEIGHT = {"cpu": 256 * 512, "cuda": 2048 * 4096}
 
 
