@@ -170,7 +170,7 @@ def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
         host = counts.tolist()
         send, received, layout = [sum(host[:el])], [host], counts[:el].view(1, el)
     else:
-        outgoing = counts[_count_rows(w, el, counts.device)]
+        outgoing = counts.take(_count_rows(w, el, counts.device))
         incoming = torch.empty_like(outgoing)
         fault_point(f"{op}.counts:before")
         start = now()
@@ -178,7 +178,7 @@ def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
         note("counts", start)
         host = torch.cat([outgoing, incoming]).tolist()
         send, received = [sum(row[:el]) for row in host[:w]], host[w:]
-        layout = incoming[:, :el].contiguous()
+        layout = incoming.narrow(1, 0, el).contiguous()
     bad = {s: row[el] for s, row in enumerate(received) if row[el]}
     if bad:
         where = ", ".join(f"rank {s}: {n}" for s, n in bad.items())
