@@ -158,7 +158,7 @@ def _run(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], num_experts: int
         return _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received)
     routing = moe_exchange.route(OP, topk_idx, num_experts, pg)
     k = topk_idx.shape[1]
-    rows = x[routing.order // k] if k > 1 else x[routing.order]
+    rows = x.index_select(0, routing.order // k if k > 1 else routing.order)
     out, received = dispatch_rows(OP, rows, routing, weight, pg, method, keep_received)
     kept = received if keep_received and weight is not None else x.new_empty((0,))
     return out, routing.layout, kept
