@@ -127,12 +127,13 @@ def expert_major_index(layout: Tensor, total: int) -> Tensor:
     ``layout [W, E_l]`` describes (computed on the layout's device)."""
     w, el = layout.shape
     flat = layout.reshape(-1)
-    device = flat.device
-    segment = torch.repeat_interleave(torch.arange(w * el, device=device), flat, output_size=total)
-    source_start = flat.cumsum(0) - flat
     by_expert = layout.t().reshape(-1)
     expert_start = (by_expert.cumsum(0) - by_expert).view(el, w).t().reshape(-1)
-    return expert_start[segment] + torch.arange(total, device=device) - source_start[segment]
+    # every row of a (source, expert) block moves by the same distance: its block's start in
+    # expert-major order less its start in source-major order
+    shift = expert_start - (flat.cumsum(0) - flat)
+    return (torch.repeat_interleave(shift, flat, output_size=total)
+            + torch.arange(total, device=flat.device))
 
 
 def to_expert_major(rows: Tensor, layout: Tensor) -> Tensor:
