@@ -83,6 +83,24 @@ def test_bad_input_same_error_everywhere(ranks, case):
     assert errors[0].startswith("pyfused.moe_dispatch: ") and BAD_INPUT[case] in errors[0], errors
 
 
+def _one_rank_out_of_range(rank, world):
+    """Values below 0 and from num_experts up are counted alike on one rank (no exchange)."""
+    from pyfused.comm import InputError
+    from pyfused.ops import moe_dispatch
+
+    idx = torch.tensor([[0, 3], [-1, 4], [2, -7], [1, 9]])
+    try:
+        moe_dispatch(torch.randn(4, 8), idx, torch.randn(4, 8, 6))
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def test_one_rank_counts_every_index_out_of_range(ranks):
+    error = ranks.run(1, _one_rank_out_of_range, timeout=60)[0]
+    assert error is not None and "outside [0, 4)" in error and "rank 0: 4" in error, error
+
+
 def test_grouped_mm_backends_agree(monkeypatch):
     """torch._grouped_mm (forced on CPU, where it runs for 16-byte aligned fp32 rows) and the
     per-expert loop give the same product, empty experts included."""

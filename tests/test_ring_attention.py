@@ -75,6 +75,27 @@ def test_matches_single_device(ranks, world, method):
     assert all(ranks.run(world, _check_all, method, 10 * world, timeout=TIMEOUT))
 
 
+def _one_rank_without_gradient(rank, world):
+    """A one-rank call without a gradient runs the computation alone (torch's attention for the
+    CPU flash kernel's masks): the same values as the registered op that a gradient call runs."""
+    from pyfused.ops.ring_attention import ring_attention
+
+    masks = ({}, {"causal": False}, {"window": 7}, {"softcap": 2.0}, {"scale": 0.3})
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for hq, hkv, s in ((6, 2, 10), (3, 3, 97)):
+            for options in masks:
+                q, k, v, _ = _inputs(len(options) + s, 1, hq, hkv, s, dtype)
+                with torch.no_grad():
+                    alone = ring_attention(q, k, v, **options)
+                traced = ring_attention(q.requires_grad_(), k, v, **options).detach()
+                assert torch.equal(alone, traced), (dtype, hq, hkv, s, options)
+    return True
+
+
+def test_one_rank_without_gradient_equals_the_gradient_path(ranks):
+    assert all(ranks.run(1, _one_rank_without_gradient, timeout=TIMEOUT))
+
+
 def _padded(rank, world, method):
     """An odd global length (23 at world 3), padded at the end to a multiple of 2 W: under a
     causal mask the real rows do not see the padding, so they are exact."""

@@ -93,6 +93,8 @@ def world_size(pg: Optional[dist.ProcessGroup]) -> int:
 
 
 def rank(pg: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(pg, dist.ProcessGroup):  # a member's group: its rank in it, without get_rank's checks
+        return pg.rank()
     if isinstance(pg, BufferProvider):
         return pg.rank
     return 0 if pg is None else dist.get_rank(pg)

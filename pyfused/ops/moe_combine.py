@@ -99,9 +99,8 @@ def combine_rows(op: str, y: Tensor, routing: Routing, weight: Optional[Tensor],
     if method == "decomposed":
         return _decomposed(op, y, routing, weight, pg)
     done = y if weight is None else grouped_mm(y, weight, counts)
-    index = routing.expert_index()
-    source_major = done if index is None else done[index]
-    return moe_exchange.exchange(op, source_major, routing.recv, routing.send, pg)
+    return moe_exchange.exchange(op, routing.expert_to_source_major(done), routing.recv,
+                                 routing.send, pg)
 
 
 def _decomposed(op, y, routing, weight, pg):

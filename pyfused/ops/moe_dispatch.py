@@ -49,8 +49,8 @@ INPUTS = ("x", "topk_idx", "weight")
 _ABSENT = torch.empty(0)  # stands for an absent weight in the call's signature (options say so)
 
 # Below this many elements in each expert's weight (H x N) the per-peer messages of the
-# decomposed method cost more than the overlap saves (docs/MOE.md gives the measurement); ``auto``
-# keeps unfused there.
+# decomposed method are taken to cost more than the overlap saves; ``auto`` keeps unfused there.
+# docs/MOE.md ("Per-call overhead") says what the CPU value rests on.
 DECOMPOSE_MIN_WEIGHT = {"cpu": 256 * 512, "cuda": 2048 * 4096}
 
 
@@ -111,8 +111,7 @@ def dispatch_rows(op: str, rows: Tensor, routing: Routing, weight: Optional[Tens
     if method == "decomposed":
         return _decomposed(op, rows, routing, weight, pg, keep_received)
     moved = moe_exchange.exchange(op, rows, routing.send, routing.recv, pg)
-    index = routing.expert_index()
-    received = moved if index is None else moved.new_empty(moved.shape).index_copy_(0, index, moved)
+    received = routing.source_to_expert_major(moved)
     if weight is None:
         return received, received
     return grouped_mm(received, weight, counts), received
@@ -159,7 +158,7 @@ def _run(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], num_experts: int
         return _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received)
     routing = moe_exchange.route(OP, topk_idx, num_experts, pg)
     k = topk_idx.shape[1]
-    rows = x[routing.order // k] if k > 1 else x[routing.order]
+    rows = x.index_select(0, routing.order // k if k > 1 else routing.order)
     out, received = dispatch_rows(OP, rows, routing, weight, pg, method, keep_received)
     kept = received if keep_received and weight is not None else x.new_empty((0,))
     return out, routing.layout, kept

@@ -32,6 +32,7 @@ otherwise noting is one comparison.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -96,6 +97,23 @@ class Routing:
         """Rows received for each local expert (from every source)."""
         return [sum(col) for col in zip(*self.counts)]
 
+    def source_to_expert_major(self, rows: Tensor) -> Tensor:
+        """Source-major rows (as an exchange delivers them) -> expert-major order: one copy of
+        the (source, expert) blocks, no index (the rows themselves where the orders agree)."""
+        if self.world == 1 or self.local_experts == 1:
+            return rows
+        w, el = self.world, self.local_experts
+        blocks = rows.split([c for row in self.counts for c in row])
+        return torch.cat([blocks[s * el + j] for j in range(el) for s in range(w)])
+
+    def expert_to_source_major(self, rows: Tensor) -> Tensor:
+        """Expert-major rows -> source-major order (the inverse of ``source_to_expert_major``)."""
+        if self.world == 1 or self.local_experts == 1:
+            return rows
+        w, el = self.world, self.local_experts
+        blocks = rows.split([self.counts[s][j] for j in range(el) for s in range(w)])
+        return torch.cat([blocks[j * w + s] for s in range(w) for j in range(el)])
+
     def expert_index(self) -> Optional[Tensor]:
         """[R]: the expert-major position of each source-major row; None where the two orders are
         the same (one rank, or one expert per rank)."""
@@ -109,12 +127,13 @@ def expert_major_index(layout: Tensor, total: int) -> Tensor:
     ``layout [W, E_l]`` describes (computed on the layout's device)."""
     w, el = layout.shape
     flat = layout.reshape(-1)
-    device = flat.device
-    segment = torch.repeat_interleave(torch.arange(w * el, device=device), flat, output_size=total)
-    source_start = flat.cumsum(0) - flat
     by_expert = layout.t().reshape(-1)
     expert_start = (by_expert.cumsum(0) - by_expert).view(el, w).t().reshape(-1)
-    return expert_start[segment] + torch.arange(total, device=device) - source_start[segment]
+    # every row of a (source, expert) block moves by the same distance: its block's start in
+    # expert-major order less its start in source-major order
+    shift = expert_start - (flat.cumsum(0) - flat)
+    return (torch.repeat_interleave(shift, flat, output_size=total)
+            + torch.arange(total, device=flat.device))
 
 
 def to_expert_major(rows: Tensor, layout: Tensor) -> Tensor:
@@ -132,9 +151,9 @@ def offsets(sizes: List[int]) -> List[int]:
     return out
 
 
-def pair_order(topk_idx: Tensor) -> Tensor:
-    """The pairs sorted by expert, stably (pair p = t * k + j)."""
-    return torch.argsort(topk_idx.reshape(-1), stable=True)
+def pair_order(flat_idx: Tensor) -> Tensor:
+    """The pairs sorted by expert, stably (pair p = t * k + j; ``flat_idx``: topk_idx flattened)."""
+    return torch.argsort(flat_idx, stable=True)
 
 
 def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
@@ -143,28 +162,40 @@ def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
     value outside [0, num_experts)."""
     w, r = comm.world_size(pg), comm.rank(pg)
     el = num_experts // w
-    flat = topk_idx.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    counts = torch.bincount(torch.where(valid, flat, num_experts), minlength=num_experts + 1)
-    per_rank = counts[:num_experts].view(w, el)
-    outgoing = torch.cat([per_rank, counts[num_experts:].expand(w, 1)], dim=1).contiguous()
-    if w > 1:
+    flat = topk_idx.reshape(-1)
+    # one bincount: each expert's pairs, then in bucket E the values outside [0, E) (clamped to
+    # -1 or E, both of which the remainder by E + 1 takes to E)
+    counts = torch.bincount(flat.clamp(-1, num_experts).remainder(num_experts + 1),
+                            minlength=num_experts + 1)
+    if w == 1:
+        host = counts.tolist()
+        send, received, layout = [sum(host[:el])], [host], counts[:el].view(1, el)
+    else:
+        outgoing = counts.take(_count_rows(w, el, counts.device))
+        incoming = torch.empty_like(outgoing)
         fault_point(f"{op}.counts:before")
         start = now()
-        incoming = torch.empty_like(outgoing)
         dist.all_to_all_single(incoming, outgoing, group=pg)
         note("counts", start)
-    else:
-        incoming = outgoing
-    host = torch.cat([per_rank.sum(1), incoming.reshape(-1)]).tolist()
-    send, received = host[:w], [host[w + s * (el + 1): w + (s + 1) * (el + 1)] for s in range(w)]
+        host = torch.cat([outgoing, incoming]).tolist()
+        send, received = [sum(row[:el]) for row in host[:w]], host[w:]
+        layout = incoming.narrow(1, 0, el).contiguous()
     bad = {s: row[el] for s, row in enumerate(received) if row[el]}
     if bad:
         where = ", ".join(f"rank {s}: {n}" for s, n in bad.items())
         raise comm.InputError(f"pyfused.{op}: topk_idx holds values outside [0, {num_experts}) "
                               f"(num_experts={num_experts}; {where})")
-    layout = incoming[:, :el].contiguous()
-    return Routing(w, r, pair_order(topk_idx), send, layout, [row[:el] for row in received])
+    return Routing(w, r, pair_order(flat), send, layout, [row[:el] for row in received])
+
+
+@functools.lru_cache(maxsize=None)
+def _count_rows(world: int, local: int, device: torch.device) -> Tensor:
+    """[W, E_l + 1]: where in the counts [E + 1] each entry of the count exchange's rows comes
+    from -- row d: rank d's experts, then the values out of range (bucket E), which every rank
+    is sent. Depends on the group's shape alone, so it is made once."""
+    experts = torch.arange(world * local).view(world, local)
+    out_of_range = torch.full((world, 1), world * local)
+    return torch.cat([experts, out_of_range], dim=1).to(device)
 
 
 def routing_from_layout(topk_idx: Tensor, layout: Tensor, pg) -> Routing:
@@ -172,11 +203,12 @@ def routing_from_layout(topk_idx: Tensor, layout: Tensor, pg) -> Routing:
     exchange (``moe_combine`` and the backward passes)."""
     w, r = comm.world_size(pg), comm.rank(pg)
     el = layout.shape[1]
-    flat = topk_idx.reshape(-1).long().clamp(0, w * el - 1)
-    per_rank = torch.bincount(flat, minlength=w * el).view(w, el).sum(1)
-    host = torch.cat([per_rank, layout.reshape(-1)]).tolist()
-    counts = [host[w + s * el: w + (s + 1) * el] for s in range(w)]
-    return Routing(w, r, pair_order(topk_idx), host[:w], layout, counts)
+    flat = topk_idx.reshape(-1)
+    experts = torch.bincount(flat.clamp(0, w * el - 1), minlength=w * el)
+    host = torch.cat([experts, layout.reshape(-1)]).tolist()
+    send = [sum(host[d * el:(d + 1) * el]) for d in range(w)]
+    counts = [host[(w + s) * el:(w + s + 1) * el] for s in range(w)]
+    return Routing(w, r, pair_order(flat), send, layout, counts)
 
 
 def check_layouts_fit(op: str, routing: Routing, pg) -> None:

@@ -330,6 +330,13 @@ def _arguments(causal, window, softcap, scale, q) -> tuple:
 
 
 def _local(group, slot, method_index, layout_index, causal, window, softcap, scale, q, k, v):
+    if q.device.type == "cpu" and not window and not softcap:
+        # The CPU flash-attention kernel that ``attend`` runs for these masks, called through
+        # torch's own entry: the same result, without the blocks and the log-sum-exp a call
+        # without a gradient does not need (tests/test_ring_attention.py checks it is equal).
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=bool(causal), enable_gqa=q.shape[1] != k.shape[1],
+            scale=float(scale) if scale is not None else q.shape[-1] ** -0.5)
     whole = [Chunk(0, 0, q.shape[2])]
     out, lse = attend(q, k, v, whole, whole, _mask_of(*_arguments(causal, window, softcap, scale, q)))
     return out.to(q.dtype)
