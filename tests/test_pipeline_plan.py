@@ -17,6 +17,7 @@ from pyfused.pipeline.plan import (
     Action,
     PlanError,
     Step,
+    build_lockstep_plan,
     build_plan,
     check_counts,
     choose_plan,
@@ -39,9 +40,11 @@ def test_every_plan_is_matched_and_deadlock_free(backward):
         orders, plans, look = choose_plan(schedule, p, v, m, backward, grouped=False)
         assert look == 2, "gloo-style completion never needs a shallower plan"
         _check_orders(orders, p, v, m, backward)
-        # NCCL-style grouped completion: some plan always exists, and it is verified
+        # NCCL-style grouped completion: the lock-step plan, verified
         _, plans_g, look_g = choose_plan(schedule, p, v, m, backward, grouped=True)
+        assert look_g is None
         simulate(orders, plans_g, p, p * v, grouped=True)
+        simulate(orders, plans_g, p, p * v, grouped=False)
 
 
 def _check_orders(orders, p, v, m, backward):
@@ -139,6 +142,50 @@ def test_simulator_catches_bad_plans():
     orders3 = {r: rank_order("gpipe", r, 3, 1, 1, True) for r in range(3)}
     with pytest.raises(PlanError, match="deadlock"):
         simulate(orders3, build_plan(orders3, 3, 3, lookahead=2), 3, 3, grouped=True)
+
+
+def test_receive_posted_ahead_stalls_nccl():
+    """What stalled 2-stage 1F1B over NCCL on a GPU: rank 0's first batch receives the gradient of
+    microbatch 0 while rank 1's first batch receives the activations of microbatches 0 and 1, which
+    rank 0 sends in its next batches, queued behind the first on its one NCCL stream. Per-operation
+    completion accepts the plan; NCCL's does not, at any lookahead but 0, and the lock-step plan
+    pairs each batch with the peer's."""
+    orders = {r: rank_order("1f1b", r, 2, 1, 4, True) for r in range(2)}
+    for look in (2, 1):
+        plans = build_plan(orders, 2, 2, lookahead=look)
+        simulate(orders, plans, 2, 2, grouped=False)
+        with pytest.raises(PlanError, match=r"deadlock \(grouped.*rank 0 at B0\.0 waiting for "
+                                            r"grad\[1->0, mb 0\]"):
+            simulate(orders, plans, 2, 2, grouped=True)
+    lockstep = build_lockstep_plan(orders, 2, 2)
+    simulate(orders, lockstep, 2, 2, grouped=True)
+    batches = {r: [(st.sends, st.recvs) for st in steps if st.sends or st.recvs]
+               for r, steps in lockstep.items()}
+    # every batch of rank 0 is the mirror of rank 1's batch of the same tick
+    assert [(set(s), set(r)) for s, r in batches[0]] == [(set(r), set(s)) for s, r in batches[1]]
+
+
+def test_lockstep_idle_ticks_only_transfer():
+    """Interleaved 1F1B at p=2, v=2 has no deadlock-free lookahead plan under NCCL's completion;
+    its lock-step plan has ticks where a rank only posts transfers (action None before the end)."""
+    orders = {r: rank_order("interleaved_1f1b", r, 2, 2, 4, True) for r in range(2)}
+    for look in (2, 1, 0):
+        with pytest.raises(PlanError, match="deadlock"):
+            simulate(orders, build_plan(orders, 2, 4, lookahead=look), 2, 4, grouped=True)
+    plans = build_lockstep_plan(orders, 2, 4)
+    simulate(orders, plans, 2, 4, grouped=True)
+    assert any(st.action is None and (st.sends or st.recvs)
+               for steps in plans.values() for st in steps[:-1])
+    assert all(steps[-1].action is None for steps in plans.values())
+    assert [[st.action for st in steps if st.action] for steps in plans.values()] == \
+        [orders[0], orders[1]]
+
+
+def test_lockstep_refuses_orders_that_wait_on_each_other():
+    F = FORWARD
+    orders = {0: [Action(F, 2, 0), Action(F, 0, 0)], 1: [Action(F, 1, 0), Action(F, 3, 0)]}
+    with pytest.raises(PlanError, match="wait on each other"):
+        build_lockstep_plan(orders, 2, 4)
 
 
 def test_receives_follow_the_senders_order():

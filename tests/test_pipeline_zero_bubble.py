@@ -38,7 +38,6 @@ from pyfused.pipeline.plan import (
     V_SHAPED,
     WEIGHT,
     Action,
-    PlanError,
     bubble_theory,
     check_counts,
     choose_plan,
@@ -142,21 +141,17 @@ def test_split_orders_run_every_action_once_in_dependency_order():
 
 
 def test_split_plans_are_deadlock_free():
-    """gloo: the full lookahead is always safe. NCCL-style grouped completion: either a plan that
-    the simulator accepts or a PlanError (raised identically on every rank, before any transfer)."""
-    grouped_refused = []
+    """gloo: the full lookahead is always safe. NCCL-style grouped completion: the lock-step plan,
+    which the simulator accepts for every order."""
     for schedule, p, v, m in SPLIT_GRID:
         v_shaped = schedule in V_SHAPED
         for backward in (True, False):
             orders, plans, look = choose_plan(schedule, p, v, m, backward, grouped=False)
             assert look == 2, (schedule, p, v, m)
             simulate(orders, plans, p, p * v, False, v_shaped)
-            try:
-                orders, plans, _ = choose_plan(schedule, p, v, m, backward, grouped=True)
-                simulate(orders, plans, p, p * v, True, v_shaped)
-            except PlanError:
-                grouped_refused.append((schedule, p, v, m))
-    assert all(s == "interleaved_zb" for s, _, _, _ in grouped_refused), grouped_refused
+            orders, plans, look = choose_plan(schedule, p, v, m, backward, grouped=True)
+            assert look is None
+            simulate(orders, plans, p, p * v, True, v_shaped)
 
 
 def test_promised_bubbles():
@@ -213,7 +208,7 @@ def batch(step: int, rows: int):
     return torch.randn(rows, 12, generator=g), torch.randn(rows, 7, generator=g)
 
 
-def train_and_compare(rank, world, schedule, v, m, rows, costs=None):
+def train_and_compare(rank, world, schedule, v, m, rows, costs=None, lockstep=False):
     model = build_model("mlp")
     ref = copy.deepcopy(model)
     ref_chain = PipelineSegment(layer_units(ref))
@@ -223,6 +218,8 @@ def train_and_compare(rank, world, schedule, v, m, rows, costs=None):
     stages = [PipelineStage(mods[s], s, n_stages, "cpu") for s in mine]
     loss_fn = nn.MSELoss()
     sched = make_schedule(schedule, stages, m, loss_fn, costs)
+    if lockstep:  # the plan NCCL gets (its batches complete as ordered groups)
+        sched._grouped = True
     params = [p for s in mine for p in mods[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if params else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -290,6 +287,19 @@ CASES = [
                          ids=[f"{c[0]}-w{c[1]}-v{c[2]}-m{c[3]}-rows{c[4]}" for c in CASES])
 def test_matches_unsplit_training(ranks, schedule, world, v, m, rows):
     assert all(ranks.run(world, train_and_compare, schedule, v, m, rows, timeout=TIMEOUT))
+
+
+LOCKSTEP_CASES = [("1f1b", 2, 1, 3, 8), ("interleaved", 2, 2, 4, 10), ("zbh1", 3, 1, 3, 10),
+                  ("interleaved_zb", 3, 2, 6, 13), ("zbv", 2, 2, 5, 11), ("dualpipev", 3, 2, 4, 9)]
+
+
+@pytest.mark.parametrize("schedule,world,v,m,rows", LOCKSTEP_CASES,
+                         ids=[f"{c[0]}-w{c[1]}-v{c[2]}-m{c[3]}" for c in LOCKSTEP_CASES])
+def test_lockstep_plans_match_unsplit_training(ranks, schedule, world, v, m, rows):
+    """The transfer plans of NCCL (lock-step batches, idle ticks that only transfer) run on gloo:
+    the same training as the unsplit model."""
+    assert all(ranks.run(world, train_and_compare, schedule, v, m, rows, lockstep=True,
+                         timeout=TIMEOUT))
 
 
 # W cheap against B, a first stage without B and a heavy last stage (the loss): orders unlike the

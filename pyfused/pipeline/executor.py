@@ -83,8 +83,8 @@ class StepRun:
                 recvs = [(m, self._rank_of(m.src_stage), self._recv_buffers(m))
                          for m in step.recvs]
                 tr.post(sends, recvs)
-                if step.action is None:
-                    break
+                if step.action is None:  # a tick that only transfers, or the closing step
+                    continue
                 a = step.action
                 st = self.stages[a.stage]
                 need = needed(a, self.num_stages)

@@ -21,7 +21,7 @@ Orders (one list of ``Action`` per rank):
 Messages: a forward of stage ``s < S-1`` produces ``act(s, mb)`` for stage ``s+1``; a backward of stage
 ``s > 0`` produces ``grad(s, mb)`` (the gradient of stage ``s``'s input) for stage ``s-1``.
 
-Communication plan of a rank: one ``Step`` per compute action. Step ``k``
+Communication plan of a rank on gloo (``build_plan``): one ``Step`` per compute action. Step ``k``
   1. posts, as ONE ``batch_isend_irecv``, the sends of action ``k-1`` and the receives of every input
      that actions ``k .. k+lookahead`` need and that are not posted yet;
   2. waits for the receives action ``k`` needs;
@@ -35,9 +35,12 @@ Matching: NCCL and gloo pair the k-th send from rank a to rank b with the k-th r
 from a (pyfused does not use tags, which NCCL ignores). A receiver therefore posts receives in the
 *sender's production order*: to post message M from rank a it first posts every earlier message of
 a -> b. ``simulate`` checks this pairing and that no rank waits forever, both for per-operation
-completion (gloo) and for NCCL's grouped, in-order completion of coalesced batches; under the
-latter a receive posted far ahead holds back every later batch of its rank, so ``choose_plan``
-lowers the lookahead where (and only where) the simulator finds a deadlock.
+completion (gloo) and for NCCL, which runs a rank's batches in order on one stream and completes a
+receive only while its send's batch runs. Under NCCL's model a receive posted ahead holds back every
+later send of its rank (2-stage 1F1B with lookahead 2 deadlocks: stage 0's first batch waits for
+the gradient of microbatch 0, stage 1's for the activations of microbatches 0 and 1, which stage 0
+sends in its next batches), so on NCCL the plan is ``build_lockstep_plan``'s: one batch per unit
+tick whose operations all pair with the peers' batches of the same tick.
 """
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ class Step:
     sends: Tuple[Message, ...]   # remote messages produced by the previous action
     recvs: Tuple[Message, ...]   # receives newly posted here, in per-sender production order
     waits: Tuple[Message, ...]   # remote inputs of ``action``
-    action: Optional[Action]     # None for the closing step (last sends only)
+    action: Optional[Action]     # None: a tick that only transfers, or the closing step
 
 
 def check_counts(schedule: str, p: int, v: int, m: int) -> Optional[str]:
@@ -211,6 +214,70 @@ def build_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
     return plans
 
 
+def build_lockstep_plan(orders: Dict[int, List[Action]], p: int, num_stages: int,
+                        v_shaped: bool = False) -> Dict[int, List[Step]]:
+    """The plan of every rank for NCCL: transfers in batches that pair up across ranks.
+
+    NCCL runs a rank's p2p batches one after another on one stream, and a receive completes only
+    while the batch holding its send runs. A receive posted ahead therefore holds every later send
+    of its rank until its sender gets there, and a send waits for the batch of its receive; both
+    can close a cycle (``simulate``, ``grouped=True``). Here every action gets a tick, its rank's
+    previous action's and its remote input's producer's tick plus one (unit-time, as soon as
+    possible), and at tick t each rank posts ONE batch: the send of what it produced at t-1 and the
+    receives of what its peers produced at t-1. Each batch's partners are all in the peers' batches
+    of the same tick, so by induction on t every batch starts once the earlier ticks' have
+    completed: no cycle, whatever the ranks' real speeds. A tick without an action of the rank
+    (``action=None`` before the last step) only posts its transfers."""
+    tick: Dict[Action, int] = {}
+    at: Dict[int, Dict[int, Action]] = {r: {} for r in orders}
+    pc = {r: 0 for r in orders}
+    progress = True
+    while progress:
+        progress = False
+        for rank, order in orders.items():
+            while pc[rank] < len(order):
+                a = order[pc[rank]]
+                t = tick[order[pc[rank] - 1]] + 1 if pc[rank] else 0
+                need = needed(a, num_stages)
+                if need is not None:
+                    producer = Action(FORWARD if need.kind == ACT else BACKWARD, need.src_stage,
+                                      need.mb)
+                    if producer not in tick:
+                        break
+                    t = max(t, tick[producer] + 1)
+                tick[a] = t
+                at[rank][t] = a
+                pc[rank] += 1
+                progress = True
+    stuck = [order[pc[r]] for r, order in orders.items() if pc[r] < len(order)]
+    if stuck:
+        raise PlanError(f"the orders wait on each other: {', '.join(map(str, stuck))} never run")
+
+    def rank_of(stage: int) -> int:
+        return stage_rank(stage, p, v_shaped)
+
+    arriving: Dict[Tuple[int, int], List[Message]] = defaultdict(list)  # (rank, tick) -> recvs
+    for a, t in sorted(tick.items(), key=lambda item: (item[1], str(item[0]))):
+        msg = produced(a, num_stages)
+        if msg is not None and rank_of(msg.src_stage) != rank_of(msg.dst_stage):
+            arriving[rank_of(msg.dst_stage), t + 1].append(msg)
+    last = max(tick.values(), default=-1) + 1
+    plans: Dict[int, List[Step]] = {}
+    for rank in orders:
+        steps: List[Step] = []
+        for t in range(last + 1):
+            prev = produced(at[rank][t - 1], num_stages) if t - 1 in at[rank] else None
+            sends = (prev,) if prev is not None and rank_of(prev.dst_stage) != rank else ()
+            recvs = tuple(arriving[rank, t])
+            action = at[rank].get(t)
+            need = needed(action, num_stages) if action is not None else None
+            waits = (need,) if need is not None and rank_of(need.src_stage) != rank else ()
+            if action is not None or sends or recvs or t == last:
+                steps.append(Step(sends, recvs, waits, action))
+        plans[rank] = steps
+    return plans
+
+
 class PlanError(RuntimeError):
     """The plan would pair a send with the wrong receive, or leave a rank waiting forever."""
 
@@ -220,8 +287,11 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
     """Run the plans on an abstract network; raise ``PlanError`` on a mismatch or a deadlock.
 
     ``grouped=False``: each send/receive completes once its partner is posted (gloo).
-    ``grouped=True``: a batch completes only when all its operations are matched and every earlier
-    batch of the same rank has completed (NCCL groups on one stream), the strictest model.
+    ``grouped=True``: NCCL, whose p2p groups run as kernels on one stream per rank. A batch starts
+    only when every earlier batch of its rank has completed; an operation completes only while the
+    batch holding its partner has started too (a receive cannot take data from a send whose kernel
+    waits behind an earlier batch of its sender, whatever the host has posted); a batch completes
+    when all its operations have.
     Local hand-offs (both stages on one rank) must be produced before they are consumed; a
     backward runs after its forward, a weight-gradient step after its backward.
     """
@@ -230,20 +300,27 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
     batches_of: Dict[int, List[int]] = defaultdict(list)
     first_open: Dict[int, int] = defaultdict(int)  # grouped: batches_of[rank][:first_open] are done
     recv_at: Dict[Tuple[int, Message], Tuple[int, int]] = {}  # -> (batch, index in its channel)
+    batch_of: Dict[Tuple[str, int, int, int], Tuple[int, int]] = {}  # op -> (its rank, its batch)
+    batch_pos: Dict[int, int] = {}  # batch -> its place among its rank's batches
     done_actions = set()
     pc = {r: 0 for r in plans}
     posted_step = {r: -1 for r in plans}
     next_batch = 0
 
     def matched(kind: str, a: int, b: int, idx: int) -> bool:
-        partner = posted["recv" if kind == "send" else "send", a, b]
+        partner_kind = "recv" if kind == "send" else "send"
+        partner = posted[partner_kind, a, b]
         if len(partner) <= idx:
             return False
         mine = posted[kind, a, b][idx]
         if partner[idx] != mine:
             raise PlanError(f"rank {a} -> rank {b}: {kind} #{idx} is {mine} but its partner is "
                             f"{partner[idx]}")
-        return True
+        return not grouped or started(*batch_of[partner_kind, a, b, idx])
+
+    def started(rank: int, bid: int) -> bool:
+        """Grouped: every earlier batch of ``rank`` has completed (or ``bid`` itself has)."""
+        return batch_pos[bid] <= first_open[rank]
 
     def batch_done(rank: int, bid: int) -> bool:
         if not grouped:
@@ -251,7 +328,7 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
         mine = batches_of[rank]
         while first_open[rank] < len(mine) and all(matched(*op) for op in batch_ops[mine[first_open[rank]]]):
             first_open[rank] += 1
-        return mine.index(bid) < first_open[rank]
+        return batch_pos[bid] < first_open[rank]
 
     def recv_done(rank: int, msg: Message) -> bool:
         if (rank, msg) not in recv_at:
@@ -274,19 +351,23 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
                         dst = stage_rank(msg.dst_stage, p, v_shaped)
                         posted["send", rank, dst].append(msg)
                         ops.append(("send", rank, dst, len(posted["send", rank, dst]) - 1))
+                        batch_of[ops[-1]] = (rank, next_batch)
                     for msg in step.recvs:
                         src = stage_rank(msg.src_stage, p, v_shaped)
                         posted["recv", src, rank].append(msg)
                         ops.append(("recv", src, rank, len(posted["recv", src, rank]) - 1))
+                        batch_of[ops[-1]] = (rank, next_batch)
                         recv_at[rank, msg] = (next_batch, len(posted["recv", src, rank]) - 1)
                     if ops:
                         batch_ops[next_batch] = ops
+                        batch_pos[next_batch] = len(batches_of[rank])
                         batches_of[rank].append(next_batch)
                         next_batch += 1
                     posted_step[rank] = k
                     progress = True
-                if step.action is None:
-                    if not all(batch_done(rank, b) for b in batches_of[rank]):
+                if step.action is None:  # a tick that only transfers, or the closing flush
+                    if k == len(steps) - 1 and not all(batch_done(rank, b)
+                                                       for b in batches_of[rank]):
                         break
                 else:
                     if not all(recv_done(rank, msg) for msg in step.waits):
@@ -323,16 +404,16 @@ def bubble_theory(p: int, m: int, v: int = 1) -> float:
 def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: bool,
                 lookahead: int = DEFAULT_LOOKAHEAD, costs: Optional[Costs] = None):
     """Orders and the plan of every rank for a backend whose batches complete per operation
-    (``grouped=False``: gloo) or as ordered groups (``grouped=True``: NCCL's coalesced p2p).
+    (``grouped=False``: gloo) or as ordered groups on one stream (``grouped=True``: NCCL).
 
     With ``costs`` (measured F, B, W per stage) a split-backward schedule of a training step takes
     the first of ``cost_orders.measured_orders`` (best predicted first, the fixed order among them)
-    that has a deadlock-free plan. The compute order never depends on the backend. The plan posts
-    receives ``lookahead`` actions ahead where the simulator proves that safe; under grouped
-    completion a receive posted early holds back every later batch of its rank, so for some
-    (schedule, p, v, m) a smaller lookahead is taken (logged by the caller). Returns (orders, plans,
-    lookahead used); raises ``PlanError`` if no lookahead down to 0 is safe (not seen for any p <=
-    6, v <= 4, m <= 16; see the tests).
+    that has a deadlock-free plan. The compute order never depends on the backend. Per-operation
+    completion: the plan posts receives ``lookahead`` actions ahead, or fewer where the simulator
+    finds a deadlock (2 was safe in every case tested). Grouped completion: the lock-step plan
+    (``build_lockstep_plan``), whose batches pair up across ranks. Every plan is simulated before it
+    is returned. Returns (orders, plans, lookahead used, None for the lock-step plan); raises
+    ``PlanError`` if no plan is deadlock-free.
     """
     if costs is not None and backward and schedule in SPLIT_BACKWARD:
         err = check_counts(schedule, p, v, m)
@@ -345,6 +426,14 @@ def choose_plan(schedule: str, p: int, v: int, m: int, backward: bool, grouped: 
     v_shaped = schedule in V_SHAPED
     errors = []
     for orders in candidates:
+        if grouped:
+            try:
+                plans = build_lockstep_plan(orders, p, p * v, v_shaped)
+                simulate(orders, plans, p, p * v, grouped, v_shaped)
+                return orders, plans, None
+            except PlanError as e:
+                errors.append(f"lock-step: {e}")
+            continue
         for look in range(lookahead, -1, -1):
             plans = build_plan(orders, p, p * v, look, v_shaped)
             try:

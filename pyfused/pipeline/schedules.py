@@ -312,7 +312,11 @@ class _PipelineSchedule:
             v = len(self._stages)
             orders, plans, look = choose_plan(self._schedule, self._p, v, self._n_microbatches,
                                               backward, self._grouped, self._lookahead, costs)
-            if look < self._lookahead:
+            if look is None:
+                logger.debug("%s with %d ranks, %d stages per rank, %d microbatches: lock-step "
+                             "transfer plan, because this backend runs a rank's batches in order "
+                             "on one stream", self._schedule, self._p, v, self._n_microbatches)
+            elif look < self._lookahead:
                 logger.debug("%s with %d ranks, %d stages per rank, %d microbatches: receives "
                              "posted %d actions ahead, not %d, because this backend completes "
                              "batches as ordered groups and the deeper plan would deadlock",
