@@ -62,7 +62,8 @@ bench_1gpu  100 $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 35 --ou
 nccl_paths  45  gpu_nccl_paths
 memcheck_w1 35  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
 racecheck   35  $SANITIZER --tool racecheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
-bench_vr    60  $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 25 --suite-timeout 30 --out $RES/bench_virtual_ranks
+bench_vr    150 $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 25 --suite-timeout 120 --out $RES/bench_virtual_ranks
+bench_vc    90  $BENCH --suites virtual_crossover --dtype bfloat16 --timeout 25 --suite-timeout 60 --out $RES/bench_virtual_crossover
 pack        10  gpu_pack_cache
 EOF
   ;;
@@ -87,7 +88,7 @@ call_returns() {  # the files a call leaves under $OUT (the device tool returns 
 
 call_purpose() {
   case $1 in
-  1) echo "install pyfused._C (carried, else built: PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, virtual ranks at W=2/4/8, the single-GPU benches, the NCCL paths on 2 processes, memcheck and racecheck at W=1, the virtual-rank benches" ;;
+  1) echo "install pyfused._C (carried, else built: PYFUSED_REQUIRE_EXT=1, sm_90a), single-rank GPU tests, virtual ranks at W=2/4/8, the single-GPU benches, the NCCL paths on 2 processes, memcheck and racecheck at W=1, the virtual-rank benches and the one-shot/two-shot crossover" ;;
   2) echo "the overhead suite's host time, the symm-mem probe and exchange smoke, memcheck at W=2; reruns with --only" ;;
   esac
 }
