@@ -7,6 +7,12 @@ algorithm forced, with the two-shot algorithm forced, and the unfused compositio
 rank by rank) as the baseline. ``algbw`` / ``busbw`` follow nccl-tests' all-reduce definitions over
 S. The note of a W's last two-shot row says up to which size one-shot was faster at that W.
 
+Times are device times (``pyfused.bench.harness.device_samples``): W ranks queued from one thread
+take 0.2 to 1.3 ms of host time per call, far above the device time of the small sizes, so a
+wall-clock timing would compare host paths. A sleep kernel holds the streams while the host queues
+a few calls, and events around the calls time the device alone; ``host_queue_ms`` is the host time
+to queue one call, and a row whose queueing outlasted the sleep says so in its note.
+
 Every row's transport is ``virtual-ranks (1 GPU)``: the peers' buffers are memory of the same GPU,
 read at its HBM bandwidth, so the crossover found here is that of the kernels' own costs (barrier
 rounds, the number of passes over memory), not of an NVLink switch; a multi-GPU run of the
@@ -15,11 +21,12 @@ On CPU the fused kernel would run in the interpreter: the suite emits ``skipped`
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import statistics
+from typing import Dict, List
 
 import torch
 
-from pyfused.bench.harness import BenchContext, bandwidths, op_row, time_interleaved
+from pyfused.bench.harness import BenchContext, bandwidths, device_samples, op_row
 
 MULTI_RANK = False
 
@@ -29,6 +36,8 @@ HIDDEN = 4096
 ROWS = (1, 8, 64, 256, 1024, 4096, 8192)  # 8 KiB .. 64 MiB of bf16 x per rank
 QUICK_ROWS = (1, 64)
 CASES = ("one_shot", "two_shot")
+ROUNDS = 7  # rounds of each method (median), at most the context's iterations
+CALLS = 8   # calls queued behind one sleep kernel per round
 SKIP_STATUS = "skipped: needs a CUDA GPU (virtual ranks are CUDA streams of one context)"
 
 
@@ -62,6 +71,7 @@ def run(ctx: BenchContext) -> List[dict]:
 
     op = "all_reduce_add_rmsnorm"
     by_name = {name.split(".")[-1]: case for name, case in cases([OPS[op]]).items()}
+    rounds = min(ctx.iters, ROUNDS)
     out = []
     for w in WORLDS:
         group = VirtualGroup(w, ctx.device)
@@ -70,28 +80,30 @@ def run(ctx: BenchContext) -> List[dict]:
             for rows in rows_list:
                 nbytes = rows * HIDDEN * elem
                 inputs = by_name["one_shot"].make(w, rows, HIDDEN, 0, ctx.dtype, group.device, 0)
-                for name in CASES:  # first calls: tables built, timeouts checked
+                for name in CASES:  # first calls: kernels loaded, tables built, timeouts checked
                     group.run(by_name[name].fused, inputs)
                 fns = {"unfused": lambda: run_unfused(group, by_name["one_shot"], inputs)}
                 for name in CASES:
                     fns[name] = (lambda c=by_name[name]: group.launch(c.fused, inputs,
                                                                        threads=c.blocks_host))
-                times = time_interleaved(fns, ctx)
+                samples = device_samples(fns, rounds, CALLS)
                 for name in CASES:  # the timed calls' wait timeouts, if any, raise here
                     group.run(by_name[name].fused, inputs)
-                torch.cuda.synchronize()
+                times = {k: statistics.median(s[0] for s in v) for k, v in samples.items()}
                 per_size[nbytes] = times
                 label = _label(w, rows, nbytes)
                 for method, key in (("unfused", "unfused"), ("fused.one_shot", "one_shot"),
                                     ("fused.two_shot", "two_shot")):
-                    note: Optional[str] = None
+                    bound = sum(s[2] for s in samples[key])
+                    note = f"host-bound in {bound} of {rounds} rounds; " if bound else ""
                     if key == "two_shot":
-                        note = crossover_note(per_size)
+                        note += crossover_note(per_size)
                     algbw, busbw = bandwidths("all_reduce", nbytes, times[key], w)
                     out.append(op_row(ctx, shape=label, dtype=ctx.dtype, method=method,
                                       transport=TRANSPORT, ms=times[key],
-                                      t_baseline=times["unfused"], note=note or "", world=w,
+                                      t_baseline=times["unfused"], note=note, world=w,
                                       bytes=nbytes, sm_budget=group.sm_budget,
+                                      host_queue_ms=statistics.median(s[1] for s in samples[key]),
                                       virtual_algbw_GBps=algbw, virtual_busbw_GBps=busbw))
         finally:
             group.free()

@@ -5,7 +5,9 @@ streams, the same SM share per rank (SMs // W for the fused kernels; torch's own
 capped), the same memory. Every row's transport is ``virtual-ranks (1 GPU)``: the "peers" are
 streams of one context, so the collective moves bytes at the GPU's copy bandwidth, not a link's.
 What the rows show is the schedules' cost and overlap with truly concurrent ranks, not a speed on
-a multi-GPU node. ``speedup`` = the unfused time / the fused time, both measured in this run.
+a multi-GPU node. ``speedup`` = the unfused time / the fused time, both measured in this run, as
+device time (a call's host time, W ranks from one thread, exceeds its device time at these shapes;
+``device_samples``), or wall-clock time for the cases that read counts on the host (MoE).
 
 Shapes: a Llama-3 70B TP=8 rank's GEMM (rows per rank 512, N 1280, K 8192: the QKV projection) and
 its hidden size 8192 for all_reduce_add_rmsnorm (512 rows); ``--quick``: 128 rows. bf16 by default.
@@ -16,12 +18,13 @@ at the test and benchmark shapes: it fills the Triton cache that benchmarks/gpu_
 """
 from __future__ import annotations
 
+import statistics
 import sys
 from typing import Dict, List
 
 import torch
 
-from pyfused.bench.harness import BenchContext, op_row, time_interleaved
+from pyfused.bench.harness import BenchContext, device_samples, op_row, time_interleaved
 from pyfused.ops.registry import OPS
 
 MULTI_RANK = False
@@ -31,6 +34,8 @@ WORLDS = (2, 4, 8)
 GEMM_SHAPE = dict(rows=512, n=1280, k=8192)
 NORM_SHAPE = dict(rows=512, n=8192, k=0)
 QUICK_ROWS = 128
+DEVICE_ROUNDS = 7  # device-time rounds per method (pyfused.bench.harness.device_samples)
+DEVICE_CALLS = 8
 SKIP_STATUS = "skipped: needs a CUDA GPU (virtual ranks are CUDA streams of one context)"
 
 
@@ -61,16 +66,22 @@ def _bench_case(ctx: BenchContext, group, name: str, case) -> List[dict]:
     unfused = run_unfused(group, case, inputs)
     torch.cuda.synchronize()
     err = max_rel_error(fused, unfused)
-    times = time_interleaved({
-        "unfused": lambda: run_unfused(group, case, inputs),
-        "fused": lambda: group.launch(case.fused, inputs, threads=case.blocks_host),
-    }, ctx)
+    fns = {"unfused": lambda: run_unfused(group, case, inputs),
+           "fused": lambda: group.launch(case.fused, inputs, threads=case.blocks_host)}
+    if case.blocks_host:  # a host read inside the call: it cannot be queued behind a sleep
+        times, timing = time_interleaved(fns, ctx), "wall-clock (the call reads counts on the host)"
+    else:
+        samples = device_samples(fns, min(ctx.iters, DEVICE_ROUNDS), DEVICE_CALLS)
+        times = {k: statistics.median(s[0] for s in v) for k, v in samples.items()}
+        bound = sum(s[2] for s in samples["fused"])
+        timing = "device time" + (f", host-bound in {bound} rounds" if bound else "")
     group.run(case.fused, inputs)  # the timed calls' wait timeouts, if any, raise here
     flop = case.flop(group.world, shape["rows"], shape["n"], shape["k"])
     return [op_row(ctx, **common, method="unfused", ms=times["unfused"], flop=flop,
                    t_baseline=times["unfused"]),
             op_row(ctx, **common, method="fused", ms=times["fused"], flop=flop,
-                   t_baseline=times["unfused"], note=f"max rel. diff vs unfused {err:.2e}")]
+                   t_baseline=times["unfused"],
+                   note=f"{timing}; max rel. diff vs unfused {err:.2e}")]
 
 
 def run(ctx: BenchContext) -> List[dict]:

@@ -20,7 +20,8 @@
 # virtual ranks: a sanitizer may serialize a process's kernel launches, and virtual ranks' kernels
 # wait on each other. The bench steps write each row as it is measured (<suite>.rows.jsonl) and
 # stop their suites (--suite-timeout) before the step's limit. Results:
-# benchmarks/results/<date>_<gpu>/call<N>/ (commit them; GPU_CHECK_RESULTS names another root).
+# benchmarks/results/<date>_<gpu>[_<GPU_CHECK_RUN>]/call<N>/ (commit them; GPU_CHECK_RESULTS names
+# another root; GPU_CHECK_RUN tells a second run of the day from the first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,8 +57,8 @@ env         10  gpu_env
 install     150 gpu_install
 tests_kernels 90 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py
 tests_ops   75  $PYTEST -m gpu tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
-virtual     100 $PYTEST -m gpu tests/test_virtual_ranks.py -k "not moe and not fp16"
-virtual_moe 40  PYFUSED_FUSED_TIMEOUT_MS=10000 $PYTEST -m gpu tests/test_virtual_ranks.py -k "moe and 2-bf16" --timeout=30
+virtual     100 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and not fp16"
+virtual_moe 40  PYFUSED_FUSED_TIMEOUT_MS=10000 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "moe and 2-bf16" --timeout=30
 bench_1gpu  100 $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 35 --out $RES/bench_1gpu
 nccl_paths  45  gpu_nccl_paths
 memcheck_w1 35  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 1 --iters 1
@@ -72,7 +73,7 @@ env         10  gpu_env
 install     60  gpu_install
 cache       10  gpu_unpack_cache
 overhead_w1 100 $BENCH --suites overhead --world 1 --timeout 30 --suite-timeout 70 --out $RES/overhead
-virtual_fp16 60 $PYTEST -m gpu tests/test_virtual_ranks.py -k "not moe and fp16"
+virtual_fp16 60 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and fp16"
 symm_probe  25  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
 symm_w2     40  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
 memcheck_w2 50  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
@@ -182,7 +183,11 @@ export TRITON_CACHE_DIR=$TRITON_CACHE TRITON_STORE_BINARY_ONLY=1
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
 SANITIZER="${SANITIZER:-compute-sanitizer} --target-processes all --error-exitcode 9 --print-limit 50"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr ' ' '-')
-RES=${GPU_CHECK_RESULTS:-benchmarks/results}/$(date -u +%Y-%m-%d)_${GPU:-no-gpu}/call$CALL
+# A second run of a day on the same GPU names itself (GPU_CHECK_RUN=run2: <date>_<gpu>_run2), so its
+# files do not mix with the committed first run's.
+RUN=${GPU_CHECK_RESULTS:-benchmarks/results}/$(date -u +%Y-%m-%d)_${GPU:-no-gpu}
+if [ -n "${GPU_CHECK_RUN:-}" ]; then RUN=${RUN}_$GPU_CHECK_RUN; fi
+RES=$RUN/call$CALL
 mkdir -p "$RES"
 : > "$RES/summary.txt"
 export PY PYTEST BENCH SANITIZER RES OUT CARRY

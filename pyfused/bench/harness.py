@@ -32,7 +32,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -200,6 +200,42 @@ def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
         for _ in names:
             progress_hook()
     return {name: flat[i * iters:(i + 1) * iters] for i, name in enumerate(names)}
+
+
+def device_samples(fns: Dict[str, Callable[[], object]], rounds: int, calls: int
+                   ) -> Dict[str, List[Tuple[float, float, bool]]]:
+    """Per function and round: (device ms per call, host ms to queue a call, host-bound). A sleep
+    kernel holds the current stream while the host queues ``calls`` calls behind it (every call
+    orders the ranks' streams after the current stream and the current stream after them), so the
+    events around the calls time the device alone; a round whose queueing outlasted the sleep is
+    host-bound. The order of the functions is shuffled per round. CUDA only: for calls whose host
+    time exceeds their device time, which a wall-clock timing would measure instead."""
+    host_ms = {}
+    for name, fn in fns.items():  # warm, and the host time a call takes to queue
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host_ms[name] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    order = random.Random(rounds)
+    out: Dict[str, List[Tuple[float, float, bool]]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name in order.sample(list(fns), len(fns)):
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            # ~2 GHz at most: at least twice the expected queueing time
+            torch.cuda._sleep(int(2 * calls * host_ms[name] * 1e-3 * 2e9) + 1000)
+            e1.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[name]()
+            queued = (time.perf_counter() - t0) * 1e3
+            e2.record()
+            e2.synchronize()
+            out[name].append((e1.elapsed_time(e2) / calls, queued / calls,
+                              queued > e0.elapsed_time(e1)))
+    return out
 
 
 def time_interleaved(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,

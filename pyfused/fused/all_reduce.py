@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..comm.group import resolve_group, world_size
 from ..comm.symmetric import MAX_BLOCKS, SymmetricBuffer
+from ..kernels import preload
 from . import config
 
 
@@ -78,6 +79,8 @@ def all_reduce_rows(src: Tensor, pg, *, out: Optional[Tensor] = None,
     # The kernel's grid (at most 64 blocks) is capped by the SM budget of virtual ranks, the same on
     # every rank of the group.
     max_blocks = min(config.budget_in_force() or MAX_BLOCKS, MAX_BLOCKS)
+    if preload.active():  # its kernel waits on the peers' flags (pyfused/kernels/preload.py)
+        return out
     torch.ops.pyfused.all_reduce_rows(buf.buffer_ptrs_dev, buf.pad_ptrs_dev, out, residual,
                                       residual_out, weight, float(eps), buf.rank, epoch, int(algo),
                                       config.timeout_ms(), max_blocks)

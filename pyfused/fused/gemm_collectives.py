@@ -68,6 +68,7 @@ from ..comm import streams
 from ..comm.flags import signal_flag, wait_flag
 from ..comm.group import rank as group_rank, resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, SymmetricBuffer
+from ..kernels import preload
 from ..kernels.gemm_launch import describe_gemm_timeout, gemm, plan_gemm
 from ..kernels.reduce_launch import (
     PointerTable,
@@ -127,10 +128,20 @@ def _waits_block(device: torch.device) -> bool:
 
 
 def _barrier(buf: SymmetricBuffer, channel: int, epoch: int, timeout_ms: Optional[int] = None) -> None:
-    """The ranks' barrier on ``channel`` (``timeout_ms``: the call's ``config.timeout_ms()``)."""
-    if buf.world > 1:
+    """The ranks' barrier on ``channel`` (``timeout_ms``: the call's ``config.timeout_ms()``); in a
+    preload pass (pyfused/kernels/preload.py) the ranks' threads meet on the host instead."""
+    if buf.world > 1 and preload.active():
+        preload.barrier(buf.device)
+    elif buf.world > 1:
         timeout_ms = config.timeout_ms() if timeout_ms is None else timeout_ms
         torch.ops.pyfused.symm_barrier(buf.pad_ptrs_dev, buf.rank, channel, 0, epoch, timeout_ms)
+
+
+def _peer_wait(flags: Tensor, index: int, value: int, timeout_ms: int) -> None:
+    """``wait_flag`` on the current stream; nothing in a preload pass (its waits would spin on
+    flags that nobody sets in that pass)."""
+    if not preload.active():
+        wait_flag(flags, index, value, timeout_ms)
 
 
 @contextmanager
@@ -273,7 +284,7 @@ def fused_matmul_reduce_scatter(a: Tensor, b: Tensor, pg, *, backend: Optional[s
         signal_flag(layout.flags, r, epoch)
         with torch.cuda.stream(relay):
             for c, peer_flags in layout.peer_flags:
-                wait_flag(counters, c, plan.tiles_per_chunk, timeout)
+                _peer_wait(counters, c, plan.tiles_per_chunk, timeout)
                 signal_flag(peer_flags, r, epoch)
         streams.keep_alive(counters, relay)
         streams.keep_alive(a, relay)

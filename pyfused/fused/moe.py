@@ -48,14 +48,14 @@ import torch
 from torch import Tensor
 
 from ..comm import streams
-from ..comm.flags import signal_flag, wait_flag
+from ..comm.flags import signal_flag
 from ..comm.group import rank as group_rank, resolve_group, world_size
 from ..comm.symmetric import CHAN_ENTRY, CHAN_SYNC, FLAG_OFFSET, SymmetricBuffer
 from ..comm.validate import InputError
 from ..kernels.grouped_gemm_launch import SegmentTable, describe_grouped_timeout, grouped_gemm
 from ..kernels.reduce_launch import PointerTable, new_status
 from . import config
-from .gemm_collectives import TIMEOUTS, _barrier, _on, _waits_block
+from .gemm_collectives import TIMEOUTS, _barrier, _on, _peer_wait, _waits_block
 
 _ALIGN = 256  # the row area starts this many bytes into the buffer, past the count header
 
@@ -180,7 +180,7 @@ def fused_moe_dispatch(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], nu
                        f"of rank {r}, set by peer {code - 1}'s push", f"fused moe_dispatch, rank {r}")
     elif weight is None:
         for q in range(w):
-            wait_flag(flags, q, epoch, config.timeout_ms())
+            _peer_wait(flags, q, epoch, config.timeout_ms())
     streams.join_comm_stream(device, *pushes)
     kept = area[:mine].clone() if keep_received or weight is None else None
     return out, layout, kept
@@ -244,5 +244,5 @@ def fused_moe_combine(y: Tensor, topk_idx: Tensor, layout: Tensor, weight: Optio
     if device.type != "cuda":  # a CPU wait cannot block: every rank's kernel (its flag writes)
         _barrier(buf, CHAN_SYNC, epoch)  # ends before the barrier, even with concurrent launches
     for q in range(w):
-        wait_flag(flags, q, epoch, config.timeout_ms())
+        _peer_wait(flags, q, epoch, config.timeout_ms())
     return buf.local_view((most, width), y.dtype, offset=header)[:pairs[r]].clone()

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import preload
 from .reduce_launch import (
     DEFAULT_SPIN_LIMIT,
     DEFAULT_TIMEOUT_MS,
@@ -337,7 +338,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, b_layout: str =
     else:
         cfg = plan.config
         with serialized(device):
-            persistent_gemm_kernel[(min(num_programs, plan.num_tiles),)](
+            preload.launch(
+                persistent_gemm_kernel, (min(num_programs, plan.num_tiles),),
                 *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, **flags,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import preload
 from .gemm_launch import _interpreter_dot_operands
 from .reduce_launch import (
     DEFAULT_SPIN_LIMIT,
@@ -182,7 +183,8 @@ def grouped_gemm(a: Tensor, weight: Tensor, segments: SegmentTable, *,
             a.stride(0), a.stride(1), *weight.stride(), *c_strides,
             int(wait_expected), int(signal_value), int(spin_limit), timeout_ns(timeout_ms))
     with serialized(device):
-        grouped_gemm_kernel[(num_programs,)](
+        preload.launch(
+            grouped_gemm_kernel, (num_programs,),
             *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WAIT=wait, SIGNAL=signal, SCATTER=scatter, EVEN_K=k % cfg.block_k == 0,
             INPUT_PRECISION="tf32" if a.dtype != torch.float32 or allow_tf32 else "ieee",

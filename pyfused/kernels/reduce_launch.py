@@ -24,6 +24,8 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import preload
+
 # Polls of a flag before a wait gives up (see gemm.py "No hang"). One acquire poll of a flag
 # costs on the order of a microsecond on current GPUs, so this is about a minute: far longer than
 # any legitimate skew between ranks, finite so that a lost flag fails instead of hanging forever.
@@ -385,7 +387,8 @@ def multi_source_reduce(sources: Union[PointerTable, Sequence[Tensor]], *,
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
     dummy = out  # stands in for absent optional pointers; never dereferenced
     with serialized(device):
-        multi_source_reduce_kernel[(min(tiles, num_programs),)](
+        preload.launch(
+            multi_source_reduce_kernel, (min(tiles, num_programs),),
             table.ptrs, out, residual if residual is not None else dummy,
             residual_out if residual_out is not None else dummy, weight if weight is not None else dummy,
             wait_flags if wait else status, order if order is not None else status, status,

@@ -82,7 +82,7 @@ def moe_combine_ref(y_per_rank: Sequence[Tensor], topk_weights_per_rank: Sequenc
             if weight_per_rank is not None:
                 row = row @ weight_per_rank[dest][j].to(dt)
             scale = topk_weights_per_rank[source].reshape(-1)[p].to(dt)
-            outs[source] = outs[source].index_add(0, torch.tensor([p // k]), (scale * row)[None])
+            outs[source][p // k] += scale * row
     return [out.view(*w.shape[:-1], width) for out, w in zip(outs, topk_weights_per_rank)]
 
 

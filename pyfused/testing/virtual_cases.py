@@ -47,11 +47,20 @@ def cases(specs: Iterable) -> Dict[str, Case]:
 
 
 def run_unfused(group, case: Case, inputs: Inputs) -> List[Tensor]:
-    """The unfused composition, rank by rank on each rank's stream and SM-free (torch's kernels)."""
+    """The unfused composition, rank by rank on each rank's stream and SM-free (torch's kernels),
+    ordered as ``VirtualGroup.launch`` orders a call: every rank's stream after the current stream
+    (where the inputs were made), the current stream after every rank's."""
+    current = torch.cuda.current_stream(group.device) if group.device.type == "cuda" else None
+    if current is not None:
+        for stream in group.streams:
+            stream.wait_stream(current)
     outs = []
     for r in range(group.world):
         with group.rank_context(r):
             outs.append(case.unfused(inputs, r))
+    if current is not None:
+        for stream in group.streams:
+            current.wait_stream(stream)
     return outs
 
 

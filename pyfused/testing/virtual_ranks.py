@@ -48,6 +48,7 @@ from ..comm import streams
 from ..comm.group import BufferProvider
 from ..comm.symmetric import MAX_WORLD, PAD_BYTES, Mapping, SymmetricBuffer
 from ..fused import config
+from ..kernels import preload
 
 BACKEND = "virtual"
 _group_ids = itertools.count()
@@ -140,6 +141,7 @@ class VirtualGroup:
                         else [None] * world)
         self._lock = threading.Lock()
         self._sizes: Dict[int, _SizeClass] = {}
+        self._preloaded: set = set()  # (fn, argument signature) whose kernels are loaded
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -241,6 +243,8 @@ class VirtualGroup:
                 errors[r] = e
 
         ranks = [r for r in range(self.world) if r != skip]
+        if self.device.type == "cuda":
+            self._preload(fn, args, ranks, timeout_s)
         if threads:
             workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-rank{r}")
                        for r in ranks]
@@ -265,6 +269,42 @@ class VirtualGroup:
                                ) from e
         return results
 
+    def _preload(self, fn: Callable[..., Any], args: List[Sequence[Any]], ranks: List[int],
+                 timeout_s: float) -> None:
+        """The first call of ``fn`` on arguments of this signature: one preload pass of every rank
+        (pyfused/kernels/preload.py), so that no Triton module is loaded while a rank's kernel
+        spins on a peer."""
+        key = (fn, _signature(args))
+        if key in self._preloaded:
+            return
+        meet = threading.Barrier(len(ranks), timeout=timeout_s)
+        errors: List[BaseException] = []
+
+        def one(r: int) -> None:
+            try:
+                with self.rank_context(r) as handle, preload.preloading(meet.wait):
+                    fn(handle, *args[r])
+            except BaseException as e:
+                errors.append(e)
+                meet.abort()  # the peers' host barriers raise instead of waiting
+
+        workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-preload{r}")
+                   for r in ranks]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(timeout_s)
+        if any(t.is_alive() for t in workers):
+            raise TimeoutError(f"{self.name}: the preload pass did not end within {timeout_s:.0f} s")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                     errors[0] if errors else None)
+        if first is not None:
+            raise RuntimeError(f"{self.name}: the preload pass failed: {type(first).__name__}: "
+                               f"{first}") from first
+        self._preloaded.add(key)
+
     def run(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), **launch_kw
             ) -> List[Any]:
         """``launch`` from one thread per rank, then synchronize the device and raise the kernels'
@@ -280,6 +320,22 @@ class VirtualGroup:
     def epochs(self) -> List[List[int]]:
         """Every size class's epoch on every rank (they move together: one per collective call)."""
         return [[buf.epoch for buf in size] for size in self.buffers()]
+
+
+def _signature(value: Any) -> Any:
+    """What selects the compiled kernel variants of a call: every tensor's shape, dtype, strides and
+    16-byte alignment, every other argument's value (its type where it is not hashable)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.stride(), value.data_ptr() % 16)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in sorted(value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return type(value).__qualname__
+    return value
 
 
 def _hold_back(device: torch.device, seconds: float) -> None:
