@@ -87,20 +87,37 @@ class TimeoutWatch:
     on CUDA the launcher cannot look without synchronizing. So each launch's status is copied to
     pinned host memory behind an event, and every later fused call checks -- without blocking --
     those whose event has completed, raising ``WaitTimeout`` for one that timed out (a late but loud
-    error instead of a silently wrong result). ``check(sync=True)`` waits for all of them."""
+    error instead of a silently wrong result). ``check(sync=True)`` waits for all of them.
+
+    The pinned words are slots of one ring, allocated at the first watch: allocating pinned memory
+    waits for every kernel of the context (CUDA's implicit synchronization), so a per-call
+    allocation could wait behind a peer's spinning kernel (virtual ranks share one context), and it
+    costs host time on every call. A slot is reused once its entry has left ``pending``; with every
+    slot pending, the oldest is waited for."""
+
+    RING_SLOTS = 1024
 
     def __init__(self) -> None:
         self.pending: Deque[Tuple[torch.cuda.Event, Tensor, Callable[[int], str], str]] = deque()
         self.lock = threading.Lock()  # virtual ranks call from several threads
+        self._ring: Optional[Tensor] = None
+        self._next = 0
 
     def watch(self, status: Tensor, describe: Callable[[int], str], what: str) -> None:
         if status.device.type != "cuda":
             return  # the CPU launchers check their status themselves
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(status, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
         with self.lock:
+            if self._ring is None:
+                self._ring = torch.zeros(self.RING_SLOTS, dtype=torch.int32, pin_memory=True)
+            if len(self.pending) >= self.RING_SLOTS:
+                self.pending[0][0].synchronize()  # its slot is the one taken next
+                self._report(*self.pending.popleft())
+            slot = self._next % self.RING_SLOTS
+            self._next += 1
+            host = self._ring[slot:slot + 1]
+            host.copy_(status, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
             self.pending.append((event, host, describe, what))
 
     def check(self, sync: bool = False) -> None:
@@ -110,12 +127,16 @@ class TimeoutWatch:
                     return
                 event, host, describe, what = self.pending.popleft()
             event.synchronize()
-            code = int(host[0])
-            if code:
-                with self.lock:
-                    self.pending.clear()
-                raise WaitTimeout(f"{what}: gave up waiting on {describe(code)} (a peer never "
-                                  f"signalled); that call's output was wrong")
+            with self.lock:
+                self._report(event, host, describe, what)
+
+    def _report(self, event, host: Tensor, describe: Callable[[int], str], what: str) -> None:
+        """Raise for a completed entry whose wait gave up (called with ``lock`` held)."""
+        code = int(host[0])
+        if code:
+            self.pending.clear()
+            raise WaitTimeout(f"{what}: gave up waiting on {describe(code)} (a peer never "
+                              f"signalled); that call's output was wrong")
 
 
 TIMEOUTS = TimeoutWatch()

@@ -12,11 +12,19 @@ cannot show. Here the W ranks are W CUDA streams of one context instead:
   * the peers' symmetric buffers and signal pads are ordinary zeroed allocations of this context,
     one per rank and size class, shared by every rank's ``SymmetricBuffer`` (backend "virtual");
     each rank keeps its own epochs, as a process would;
-  * ``run`` launches every rank from its own host thread, all before any host synchronization: a
-    host-blocking step inside one rank's call (a pageable copy) blocks only that rank's thread, never
-    another rank's launch. Then it joins the threads, synchronizes the device and reports the
-    kernels' wait timeouts. ``launch(..., threads=False)`` queues the ranks in order from one thread
-    without a sync (timing loops, once a first call has built every table).
+  * ``run`` launches every rank from its own long-lived host thread, all before any host
+    synchronization: a host-blocking step inside one rank's call (a pageable copy) blocks only that
+    rank's thread, never another rank's launch. Then it waits for the threads, synchronizes the
+    device and reports the kernels' wait timeouts. ``launch(..., threads=False)`` queues the ranks
+    in order from one thread without a sync (timing loops, once a first call has built every table).
+
+One context for all ranks has a cost that W processes do not: whatever makes CUDA wait for the
+context's running kernels -- loading a module, allocating device or pinned memory -- waits for the
+peers' spinning kernels too, and a rank that does it in the middle of a call holds up the work the
+spinners wait for. So, before a call's ranks run at once, the group fills every rank stream's pool
+of the caching allocator (``_reserve_memory``), and the first call of each function and argument
+signature runs as a preload pass (pyfused/kernels/preload.py), which compiles and loads its Triton
+kernels with nothing spinning.
 
 A barrier between ranks therefore costs microseconds, as on a real node, and the adversarial modes
 make the schedules' assumptions fail loudly: ``delay`` holds one rank back (a sleep kernel on its
@@ -38,6 +46,7 @@ import contextlib
 import ctypes
 import itertools
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -122,7 +131,8 @@ def default_sm_budget(world: int, device: torch.device) -> int:
 class VirtualGroup:
     """W virtual ranks on ``device`` (see the module docstring)."""
 
-    def __init__(self, world: int, device=None, sm_budget: Optional[int] = None):
+    def __init__(self, world: int, device=None, sm_budget: Optional[int] = None,
+                 reserve_bytes: Optional[int] = None):
         if not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world must be an int in [1, {MAX_WORLD}], got {world!r}")
         device = torch.device(device if device is not None else
@@ -142,6 +152,9 @@ class VirtualGroup:
         self._lock = threading.Lock()
         self._sizes: Dict[int, _SizeClass] = {}
         self._preloaded: set = set()  # (fn, argument signature) whose kernels are loaded
+        self._threads: List[_RankThread] = []  # one long-lived host thread per rank
+        self._reserve_bytes = reserve_bytes
+        self._reserved = device.type != "cuda"
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -195,6 +208,49 @@ class VirtualGroup:
                 buf.free()
         for r in range(self.world):
             streams.forget_owner(self._owner(r))
+        for thread in self._threads:
+            thread.stop()
+        self._threads = []
+
+    def _reserve_memory(self) -> None:
+        """Fill the caching allocator's pools of every rank's stream before any rank spins.
+
+        Allocating device memory waits for every kernel of the context (CUDA's implicit
+        synchronization), and the caching allocator allocates when none of the blocks it holds for
+        the allocating stream fits. A rank that allocates while a peer's kernel spins on that rank's
+        flag would wait until the spin gives up. So each rank's stream gets a large block
+        (``reserve_bytes``; default a quarter of the free memory shared among the ranks, at most
+        2 GiB) and small-pool segments, allocated and freed at once: its calls' allocations are
+        then carved from blocks the allocator already holds."""
+        if self._reserved:
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        large = self._reserve_bytes or min(2 << 30, free // (4 * self.world))
+        for stream in self.streams:
+            with torch.cuda.stream(stream):
+                held = [torch.empty(large, dtype=torch.uint8, device=self.device)]
+                held += [torch.empty(1 << 20, dtype=torch.uint8, device=self.device)
+                         for _ in range(SMALL_RESERVE_SEGMENTS)]
+                del held
+        self._reserved = True
+
+    def _rank_threads(self) -> List["_RankThread"]:
+        if not self._threads:
+            self._threads = [_RankThread(f"{self.name}-rank{r}") for r in range(self.world)]
+        return self._threads
+
+    def _on_rank_threads(self, job: Callable[[int], None], ranks: List[int], timeout_s: float,
+                         what: str) -> None:
+        """``job(r)`` on rank r's own thread for every r in ``ranks``, all at once; returns when all
+        have ended."""
+        threads = self._rank_threads()
+        done = [threads[r].submit(lambda r=r: job(r)) for r in ranks]
+        for event in done:
+            event.wait(timeout_s)
+        stuck = [f"rank {r}" for r, event in zip(ranks, done) if not event.is_set()]
+        if stuck:
+            raise TimeoutError(f"{self.name}: {what} of {stuck} did not return within "
+                               f"{timeout_s:.0f} s")
 
     # -- launching --------------------------------------------------------------------------------
 
@@ -244,17 +300,10 @@ class VirtualGroup:
 
         ranks = [r for r in range(self.world) if r != skip]
         if self.device.type == "cuda":
+            self._reserve_memory()
             self._preload(fn, args, ranks, timeout_s)
         if threads:
-            workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-rank{r}")
-                       for r in ranks]
-            for t in workers:
-                t.start()
-            for t in workers:
-                t.join(timeout_s)
-            stuck = [t.name for t in workers if t.is_alive()]
-            if stuck:
-                raise TimeoutError(f"{stuck} did not return within {timeout_s:.0f} s")
+            self._on_rank_threads(one, ranks, timeout_s, "the call")
         else:
             for r in ranks:
                 one(r)
@@ -288,14 +337,7 @@ class VirtualGroup:
                 errors.append(e)
                 meet.abort()  # the peers' host barriers raise instead of waiting
 
-        workers = [threading.Thread(target=one, args=(r,), name=f"{self.name}-preload{r}")
-                   for r in ranks]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(timeout_s)
-        if any(t.is_alive() for t in workers):
-            raise TimeoutError(f"{self.name}: the preload pass did not end within {timeout_s:.0f} s")
+        self._on_rank_threads(one, ranks, timeout_s, "the preload pass")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
@@ -320,6 +362,43 @@ class VirtualGroup:
     def epochs(self) -> List[List[int]]:
         """Every size class's epoch on every rank (they move together: one per collective call)."""
         return [[buf.epoch for buf in size] for size in self.buffers()]
+
+
+SMALL_RESERVE_SEGMENTS = 16  # 2 MiB segments of the caching allocator's small pool, per rank
+
+
+class _RankThread:
+    """The long-lived host thread of one virtual rank: runs the jobs given to it, one at a time.
+    A rank's calls then always come from the same thread, whose per-thread CUDA state (cuBLAS
+    handle, current context) is set up once, in the first call, not in every call."""
+
+    def __init__(self, name: str):
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Queue ``job`` (it must not raise); the event is set when it has run."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self._jobs.put(run)
+        return done
+
+    def stop(self) -> None:
+        self._jobs.put(None)
 
 
 def _signature(value: Any) -> Any:
