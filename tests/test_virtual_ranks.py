@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -309,3 +310,24 @@ def test_lazy_module_loading_is_refused(monkeypatch):
         virtual_ranks.require_eager_module_loading()
     monkeypatch.setenv("CUDA_MODULE_LOADING", "eager")
     virtual_ranks.require_eager_module_loading()
+
+
+def _sleep_on_rank_one(handle, seconds):
+    if handle.rank == 1:
+        time.sleep(seconds)
+    return handle.rank
+
+
+def test_a_late_rank_thread_shows_where_it_is(monkeypatch, capsys):
+    """A rank thread still busy at half the fused timeout (on a GPU: blocked behind a peer's
+    spinning kernel, which traps at the timeout and ends the process) prints its stack first."""
+    monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", "200")
+    group = _group(2)
+    try:
+        assert group.launch(_sleep_on_rank_one, [(0.5,), (0.5,)]) == [0, 1]
+        assert group.launch(_sleep_on_rank_one, [(0.0,), (0.0,)]) == [0, 1]  # the same threads
+    finally:
+        group.free()
+    err = capsys.readouterr().err
+    assert err.count("still busy after 0.1 s") == 1, err
+    assert "--- rank 1:" in err and "_sleep_on_rank_one" in err and "--- rank 0:" not in err

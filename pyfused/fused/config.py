@@ -1,8 +1,8 @@
 """Launch choices of the fused methods, as data. Every value here is a pure
 function of what every rank agrees on (shapes, dtype, world size), so all ranks choose alike.
 
-The numbers are starting points that no GPU has measured yet (docs/PERF.md says how to measure
-them); a GPU run of the benchmarks replaces them with measured crossovers.
+Where a value was measured, its comment names the run (benchmarks/results/); the others are
+starting points that a GPU run of the benchmarks replaces (docs/PERF.md says how).
 """
 from __future__ import annotations
 
@@ -32,15 +32,21 @@ class AllReduceConfig:
     one_shot_max_bytes: int
 
 
-# By world size; the values follow the shape of the published custom all-reduce crossovers
-# (latency-bound below a few hundred KB on NVLink), not a measurement of ours.
+# By world size: the largest message at which one-shot was measured faster than two-shot, device
+# time of the fused all-reduce + residual + RMSNorm with W virtual ranks on one H200
+# (benchmarks/results/2026-11-26_NVIDIA-H200_run2/call2/bench_virtual_crossover, sizes 8 KiB,
+# 64 KiB, 512 KiB, 2 MiB, 8 MiB, ...): W = 2 and 4 one-shot up to 2 MiB, two-shot from 8 MiB; W = 8
+# one-shot up to 512 KiB, two-shot from 2 MiB. W = 3 takes W = 4's value (not measured). The peers'
+# buffers were memory of the same GPU: over NVLink one-shot's W-fold reads cost more, so the
+# crossover there is lower or equal; the multi-GPU `all_reduce_add_rmsnorm` suite's
+# fused.one_shot / fused.two_shot rows measure it.
 ALL_REDUCE_CONFIGS = {
     1: AllReduceConfig(1 << 62),
-    2: AllReduceConfig(1 << 20),
-    3: AllReduceConfig(512 << 10),
-    4: AllReduceConfig(512 << 10),
+    2: AllReduceConfig(2 << 20),
+    3: AllReduceConfig(2 << 20),
+    4: AllReduceConfig(2 << 20),
 }
-DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(256 << 10)  # 5-8 ranks
+DEFAULT_ALL_REDUCE_CONFIG = AllReduceConfig(512 << 10)  # 5-8 ranks
 
 # SMs the persistent GEMMs of the fused schedules leave free for the one-thread kernels that must run
 # beside them on the comm stream: the relay of GEMM + reduce-scatter (wait on a local tile counter,

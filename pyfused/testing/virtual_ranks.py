@@ -47,7 +47,10 @@ import ctypes
 import itertools
 import os
 import queue
+import sys
 import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -245,8 +248,20 @@ class VirtualGroup:
         have ended."""
         threads = self._rank_threads()
         done = [threads[r].submit(lambda r=r: job(r)) for r in ranks]
+        # A rank thread still busy at half the fused timeout is likely blocked in a call that waits
+        # for the context's kernels while a peer spins (module docstring): where it is goes to
+        # stderr before the spinning kernel traps and takes the process with it.
+        hint = config.timeout_ms() / 2000 if config.timeout_ms() else timeout_s
+        start = time.monotonic()
         for event in done:
-            event.wait(timeout_s)
+            event.wait(max(0.0, min(hint, timeout_s) - (time.monotonic() - start)))
+        late = [(r, threads[r]) for r, event in zip(ranks, done) if not event.is_set()]
+        if late:
+            print(f"{self.name}: {what}: {len(late)} rank thread(s) still busy after {hint:.1f} s:\n"
+                  + "".join(f"--- rank {r}:\n{t.stack()}" for r, t in late), file=sys.stderr,
+                  flush=True)
+        for event in done:
+            event.wait(max(0.0, timeout_s - (time.monotonic() - start)))
         stuck = [f"rank {r}" for r, event in zip(ranks, done) if not event.is_set()]
         if stuck:
             raise TimeoutError(f"{self.name}: {what} of {stuck} did not return within "
@@ -399,6 +414,11 @@ class _RankThread:
 
     def stop(self) -> None:
         self._jobs.put(None)
+
+    def stack(self) -> str:
+        """Where the thread is now (its Python stack, innermost last)."""
+        frame = sys._current_frames().get(self._thread.ident)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)\n"
 
 
 def _signature(value: Any) -> Any:
