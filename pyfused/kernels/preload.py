@@ -1,13 +1,14 @@
 """Loading a call's Triton kernels without running them, for W ranks in one CUDA context.
 
 CUDA loads a module into a context only once the context's running kernels have finished
-(docs/TESTBED.md, "Lazy module loading"), and Triton loads a kernel's module at the first launch of
-each compiled variant. With virtual ranks (pyfused/testing/virtual_ranks.py), W ranks on the
-streams of one context, a rank's first launch of a variant can come while a peer's kernel spins on
-a flag that this rank sets later in the same call. The load then waits for the spin, and the spin
-waits for work that this rank's host thread has not queued yet, until the fused timeout traps.
-``CUDA_MODULE_LOADING=EAGER`` covers the modules present when CUDA starts (torch's, the
-extension's), not Triton's, which are compiled and loaded when a call first needs them.
+(docs/TESTBED.md, "Calls that wait for the context's kernels"), and Triton loads a kernel's
+module at the first launch of each compiled variant. With virtual ranks
+(pyfused/testing/virtual_ranks.py), W ranks on the streams of one context, a rank's first launch of
+a variant can come while a peer's kernel spins on a flag that this rank sets later in the same
+call. The load then waits for the spin, and the spin waits for work that this rank's host thread
+has not queued yet, until the fused timeout traps. ``CUDA_MODULE_LOADING=EAGER`` covers the
+modules present when CUDA starts (torch's, the extension's), not Triton's, which are compiled and
+loaded when a call first needs them.
 
 So a virtual group runs the first call of each function and input signature once in a *preload
 pass*: every rank's thread runs the call under ``preloading(barrier)``. Then:
