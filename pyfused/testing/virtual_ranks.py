@@ -368,11 +368,31 @@ class VirtualGroup:
         recorded wait timeouts (``WaitTimeout``); the ranks' results."""
         results = self.launch(fn, args, **launch_kw)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self._wait_for_device()
         from ..fused.gemm_collectives import TIMEOUTS
 
         TIMEOUTS.check(sync=True)
         return results
+
+    def _wait_for_device(self) -> None:
+        """Synchronize the device. A rank stream still busy at half the fused timeout (a kernel
+        spinning on a peer traps at the timeout and ends the process) is named on stderr first,
+        with every rank's epochs: ranks whose epochs differ wait for each other forever."""
+        done = []
+        for stream in self.streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            done.append(event)
+        if config.timeout_ms():
+            deadline = time.monotonic() + config.timeout_ms() / 2000
+            while time.monotonic() < deadline and not all(e.query() for e in done):
+                time.sleep(0.001)
+            busy = [r for r, event in enumerate(done) if not event.query()]
+            if busy:
+                print(f"{self.name}: the streams of ranks {busy} are still busy after "
+                      f"{config.timeout_ms() / 2000:.1f} s; epochs per size class, rank by rank: "
+                      f"{self.epochs()}", file=sys.stderr, flush=True)
+        torch.cuda.synchronize(self.device)
 
     def epochs(self) -> List[List[int]]:
         """Every size class's epoch on every rank (they move together: one per collective call)."""
