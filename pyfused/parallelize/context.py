@@ -150,13 +150,26 @@ class ContextParallel:
                                  lambda: _refuse_unless(ones_then_zeros))
         return real
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
-        """The whole sequence's mean cross-entropy on every rank; gradient cp times this rank's part."""
-        part = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+    def positions(self, length: int, device) -> torch.Tensor:
+        """[1, length]: the global positions of this rank's ``length`` rows."""
+        return shard_positions(self.coord, self.size, length, LAYOUT, device).view(1, length)
+
+    def part_of_loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
+        """This rank's rows' share of the whole batch's mean cross-entropy (``count`` labels)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                reduction="sum") / max(count, 1)
-        total = part.detach().clone()
+
+    def sum_over_group(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the cp group (a collective; no gradient)."""
+        total = value.detach().clone()
         with comm.failures_named("parallelize context-parallel loss", self.pg):
             dist.all_reduce(total, group=self.pg)
+        return total
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
+        """The whole sequence's mean cross-entropy on every rank; gradient cp times this rank's part."""
+        part = self.part_of_loss(logits, labels, count)
+        total = self.sum_over_group(part)
         return part * self.size + (total - part.detach() * self.size)
 
     def gather_rows(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
