@@ -18,7 +18,7 @@ parallel model
 The returned ``logits`` are this rank's rows (``gather_rows`` puts them in global order).
 
 Refused, with the same error on every rank: model types outside ``CP_FAMILIES`` (their attention
-does not go through transformers' attention interface with rotary position ids), pp, ep or
+does not go through transformers' attention interface with rotary position ids), ep or
 ``dp="hsdp"`` with cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
 followed by padding at the end (checked on the whole cp group's batch when one is passed).
 """
@@ -41,7 +41,7 @@ LAYOUT = "zigzag"
 IGNORE = -100
 
 
-def problem(model: nn.Module, cp: int, pp: int, dp: str, ep: int = 1) -> Optional[str]:
+def problem(model: nn.Module, cp: int, dp: str, ep: int = 1) -> Optional[str]:
     """Why ``model`` cannot run with context parallelism of size ``cp``, or None (no communication)."""
     if cp == 1:
         return None
@@ -50,9 +50,9 @@ def problem(model: nn.Module, cp: int, pp: int, dp: str, ep: int = 1) -> Optiona
         return (f"context parallelism (cp={cp}) supports the model types {CP_FAMILIES}, whose "
                 f"attention takes rotary position ids and transformers' attention interface; "
                 f"got {model_type!r}")
-    if pp > 1 or ep > 1 or dp not in ("ddp", "fsdp"):
-        return (f"context parallelism (cp={cp}) composes with tp and dp='ddp' or 'fsdp' only; got "
-                f"pp={pp}, ep={ep}, dp={dp!r}")
+    if ep > 1 or dp not in ("ddp", "fsdp"):
+        return (f"context parallelism (cp={cp}) composes with tp, pp and dp='ddp' or 'fsdp' only; "
+                f"got ep={ep}, dp={dp!r}")
     return None
 
 
