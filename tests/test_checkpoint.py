@@ -3,7 +3,8 @@
 A tiny Llama (vocabulary 101: padded on every TP size; 2 KV heads: replicated at tp=4) is trained
 for two steps with AdamW at (dp=2, tp=2) and saved; the run goes on for two more steps. The
 checkpoint is then loaded into a model built from a different seed at tp=4, pp=2 x tp=2, dp=4,
-fully sharded (dp=4, dp=2 x tp=2, dp=2 x pp=2) and into the plain single-process model: the
+fully sharded (dp=4, dp=2 x tp=2, dp=2 x pp=2), at pp=2 x cp=2 with DDP and fully sharded (with
+PYFUSED_LONG_TESTS=1), and into the plain single-process model: the
 loaded parameters must equal the saved ones bit for bit, and the next two steps (the first tests
 the parameters, the second the optimizer state) must give the saving run's losses. The same
 checkpoint loads into pyfused's DistributedDataParallel with a ZeRO-sharded optimizer over 4 ranks
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.test_parallelize import SEQ, build
-from tests.utils import assert_close
+from tests.utils import assert_close, long_test
 
 pytest.importorskip("transformers", reason="pyfused.parallelize tests need transformers (the 'models' extra)")
 
@@ -108,7 +109,12 @@ def saved(ranks, tmp_path_factory):
     ((4,), ("dp",), {"dp": "fsdp"}),
     ((2, 2), ("dp", "tp"), {"dp": "fsdp"}),
     ((2, 2), ("dp", "pp"), {"dp": "fsdp", "n_microbatches": 2, "split_points": [2]}),
-], ids=["tp4", "pp2xtp2", "dp4", "fsdp-dp4", "fsdp-dp2xtp2", "fsdp-dp2xpp2"])
+    pytest.param((2, 2), ("pp", "cp"), {"n_microbatches": 2, "split_points": [2]},
+                 marks=long_test("a checkpoint loaded at pp x cp")),
+    pytest.param((2, 2), ("pp", "cp"), {"dp": "fsdp", "n_microbatches": 2, "split_points": [2]},
+                 marks=long_test("a checkpoint loaded at pp x cp with dp='fsdp'")),
+], ids=["tp4", "pp2xtp2", "dp4", "fsdp-dp4", "fsdp-dp2xtp2", "fsdp-dp2xpp2", "pp2xcp2",
+        "fsdp-pp2xcp2"])
 def test_load_on_another_mesh(ranks, saved, shape, names, options):
     path, full, losses = saved
     assert all(ranks.run(4, _load, path, shape, names, options, full, losses, timeout=240))

@@ -1,5 +1,6 @@
 """``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp, cp x tp,
-dp x cp with ``dp="fsdp"`` (and dp x cp x tp, 8 ranks, with PYFUSED_LONG_TESTS=1) equals the same
+dp x cp with ``dp="fsdp"``, pp x cp (and, with PYFUSED_LONG_TESTS=1, dp x cp x tp, pp x cp with
+``dp="fsdp"``, pp x cp at cp = 3, dp x pp x cp and pp x cp x tp) equals the same
 model trained in one process on the whole batch (every gradient of the first step, the loss of
 every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple
 of 2 cp); refused model types and attention masks raise the same error on every rank.
@@ -67,9 +68,14 @@ def _train(rank, world, dims, sizes, data_parallel="ddp"):
 
 @pytest.mark.parametrize("dims,sizes,data_parallel", [
     (("dp", "cp"), (2, 2), "ddp"), (("cp",), (3,), "ddp"), (("cp", "tp"), (2, 2), "ddp"),
-    (("dp", "cp"), (2, 2), "fsdp"),
+    (("dp", "cp"), (2, 2), "fsdp"), (("pp", "cp"), (2, 2), "ddp"),
     pytest.param(("dp", "cp", "tp"), (2, 2, 2), "ddp", marks=long_test("dp x cp x tp on 8 ranks")),
-], ids=["dp2xcp2", "cp3", "cp2xtp2", "dp2xcp2-fsdp", "dp2xcp2xtp2"])
+    pytest.param(("pp", "cp"), (2, 2), "fsdp", marks=long_test("pp x cp with dp='fsdp'")),
+    pytest.param(("pp", "cp"), (2, 3), "ddp", marks=long_test("pp x cp at cp = 3 on 6 ranks")),
+    pytest.param(("dp", "pp", "cp"), (2, 2, 2), "ddp", marks=long_test("dp x pp x cp on 8 ranks")),
+    pytest.param(("pp", "cp", "tp"), (2, 2, 2), "ddp", marks=long_test("pp x cp x tp on 8 ranks")),
+], ids=["dp2xcp2", "cp3", "cp2xtp2", "dp2xcp2-fsdp", "pp2xcp2", "dp2xcp2xtp2", "pp2xcp2-fsdp",
+        "pp2xcp3", "dp2xpp2xcp2", "pp2xcp2xtp2"])
 def test_training_matches_single_process(ranks, dims, sizes, data_parallel):
     world = 1
     for s in sizes:
@@ -106,6 +112,8 @@ def _refused(rank, world, case):
     try:
         if case == "gpt2":
             pyfused.parallelize(build("gpt2"), mesh)
+        elif case == "hsdp":
+            pyfused.parallelize(build("llama", seed=3), mesh, dp="hsdp")
         else:
             pm = pyfused.parallelize(build("llama", seed=3), mesh)
             ids, labels = _batches(1)[0]
@@ -117,8 +125,10 @@ def _refused(rank, world, case):
     return None
 
 
-@pytest.mark.parametrize("case,expected", [("gpt2", "context parallelism (cp=2) supports"),
-                                           ("left padding", "padding at the end")])
+@pytest.mark.parametrize("case,expected", [
+    ("gpt2", "context parallelism (cp=2) supports"),
+    ("hsdp", "composes with tp, pp and dp='ddp' or 'fsdp' only; got ep=1, dp='hsdp'"),
+    ("left padding", "padding at the end")])
 def test_refused_with_the_same_error_on_every_rank(ranks, case, expected):
     errors = ranks.run(2, _refused, case, timeout=TIMEOUT)
     assert errors[0] is not None and len(set(errors)) == 1 and expected in errors[0], errors

@@ -16,7 +16,7 @@
      parallelism on the ``dp`` dim (HSDP: the ``dp_replicate`` x ``dp_shard`` dims; DDP: dp x cp):
      ``fully_shard`` or pyfused's DistributedDataParallel of the whole model.
 With pp > 1, ``apply_pipeline`` takes the place of 3 to 7: this rank's pipeline stage
-(pipeline.py), whose modules get tensor parallelism, then data parallelism.
+(pipeline.py), whose modules get tensor parallelism, context parallelism, then data parallelism.
 
 The returned ``ParallelModel`` is called like the original model and returns what it returns;
 ``full_state_dict()`` / ``load_full_state_dict()`` translate to and from the original model's state.
@@ -91,6 +91,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     stage, runner, cp = None, model, None
     if info.size["pp"] > 1:
         stage = apply_pipeline(model, resolved, info, tp, dp, pipeline_options)
+        cp = stage.context
     else:
         apply_ep(model, resolved, info, tp)
         apply_tp(model, resolved, tp)

@@ -18,7 +18,7 @@ parallel model
 The returned ``logits`` are this rank's rows (``gather_rows`` puts them in global order).
 
 Refused, with the same error on every rank: model types outside ``CP_FAMILIES`` (their attention
-does not go through transformers' attention interface with rotary position ids), pp, ep or
+does not go through transformers' attention interface with rotary position ids), ep or
 ``dp="hsdp"`` with cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
 followed by padding at the end (checked on the whole cp group's batch when one is passed).
 """
@@ -41,7 +41,7 @@ LAYOUT = "zigzag"
 IGNORE = -100
 
 
-def problem(model: nn.Module, cp: int, pp: int, dp: str, ep: int = 1) -> Optional[str]:
+def problem(model: nn.Module, cp: int, dp: str, ep: int = 1) -> Optional[str]:
     """Why ``model`` cannot run with context parallelism of size ``cp``, or None (no communication)."""
     if cp == 1:
         return None
@@ -50,9 +50,9 @@ def problem(model: nn.Module, cp: int, pp: int, dp: str, ep: int = 1) -> Optiona
         return (f"context parallelism (cp={cp}) supports the model types {CP_FAMILIES}, whose "
                 f"attention takes rotary position ids and transformers' attention interface; "
                 f"got {model_type!r}")
-    if pp > 1 or ep > 1 or dp not in ("ddp", "fsdp"):
-        return (f"context parallelism (cp={cp}) composes with tp and dp='ddp' or 'fsdp' only; got "
-                f"pp={pp}, ep={ep}, dp={dp!r}")
+    if ep > 1 or dp not in ("ddp", "fsdp"):
+        return (f"context parallelism (cp={cp}) composes with tp, pp and dp='ddp' or 'fsdp' only; "
+                f"got ep={ep}, dp={dp!r}")
     return None
 
 
@@ -150,13 +150,26 @@ class ContextParallel:
                                  lambda: _refuse_unless(ones_then_zeros))
         return real
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
-        """The whole sequence's mean cross-entropy on every rank; gradient cp times this rank's part."""
-        part = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+    def positions(self, length: int, device) -> torch.Tensor:
+        """[1, length]: the global positions of this rank's ``length`` rows."""
+        return shard_positions(self.coord, self.size, length, LAYOUT, device).view(1, length)
+
+    def part_of_loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
+        """This rank's rows' share of the whole batch's mean cross-entropy (``count`` labels)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                reduction="sum") / max(count, 1)
-        total = part.detach().clone()
+
+    def sum_over_group(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the cp group (a collective; no gradient)."""
+        total = value.detach().clone()
         with comm.failures_named("parallelize context-parallel loss", self.pg):
             dist.all_reduce(total, group=self.pg)
+        return total
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
+        """The whole sequence's mean cross-entropy on every rank; gradient cp times this rank's part."""
+        part = self.part_of_loss(logits, labels, count)
+        total = self.sum_over_group(part)
         return part * self.size + (total - part.detach() * self.size)
 
     def gather_rows(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -35,6 +35,14 @@ the same schedule, so their all-to-alls and gradient hooks meet. With
 ``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
 module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
 accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
+
+Context parallelism (cp > 1, context.py): every rank of a cp group runs the same stage on its zigzag
+rows of the sequence (padded at the end to a multiple of 2 cp), with the global positions of those
+rows (``ModelParts.positions``) and attention through ring_attention over the cp group. The labels
+are shifted over the whole sequence before the cut, and a microbatch's loss is its rows' cross-
+entropy sum over the whole batch's label count, times cp: DDP (or fully_shard) over dp x cp then
+averages the dp batches and sums the parts of one sequence. The returned loss, summed over the
+last stage's cp group, is the whole sequence's mean cross-entropy.
 """
 from __future__ import annotations
 
@@ -136,11 +144,15 @@ class PipelinedModel:
 
     def __init__(self, model: nn.Module, resolved, info, tp, n_microbatches: Optional[int] = None,
                  schedule: str = "1f1b", balance: Optional[str] = "time", split_points=None,
-                 example_input_ids: Optional[torch.Tensor] = None, data_parallel: str = "ddp"):
+                 example_input_ids: Optional[torch.Tensor] = None, data_parallel: str = "ddp",
+                 data_mesh=None, context=None):
+        """``data_mesh``: the 1-D mesh of the ranks that hold this stage's parameters (dp, or dp x cp
+        flattened), None when there is one; ``context``: the cp dim's ``ContextParallel``, None at
+        cp = 1."""
         self.pp, self.stage_index, self.pg = info.size["pp"], info.coord["pp"], info.group["pp"]
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp - 1
         self.n_microbatches = n_microbatches or self.pp
-        self.top, self.tp = model, tp
+        self.top, self.tp, self.context = model, tp, context
         self.vocab = model.config.vocab_size
         self.output_type = _return_type(model)
         self.full_key_shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
@@ -166,18 +178,22 @@ class PipelinedModel:
             tp.apply(model, resolved, install_region=False)
         ep_mod.average_gradients(model, info.group["ep"], ep, replicated_by_fsdp=False)
         self.parts.blocks = list(self.parts.base._modules[self.parts.attr])  # now TP-sharded
+        if context is not None:  # after the cut: its profiling runs no cp collective
+            context.install(model)
+            self.parts.positions = context.positions
         tp.install_sequence_region([self.parts.blocks[i] for i in blocks_here])
         self.submodule = self._stage_module(n)
 
         self.ddp, runner, self.dp_shards = None, self.submodule, None
-        if info.size["dp"] > 1 and data_parallel == "fsdp":
-            self.dp_shards = (info.size["dp"], info.coord["dp"])  # (world, rank) of the dp shards
-            fsdp_compose.shard_model(model, None, info.mesh["dp"], tp.param_specs,
+        if data_mesh is not None and data_parallel == "fsdp":
+            # (world, rank) of the data-parallel shards
+            self.dp_shards = (data_mesh.size(), data_mesh.get_local_rank())
+            fsdp_compose.shard_model(model, None, data_mesh, tp.param_specs,
                                      root=self.submodule,
                                      blocks=[self.parts.blocks[i] for i in blocks_here])
             runner = fsdp_compose.FullyShardedStage(self.submodule, self.n_microbatches)
-        elif info.size["dp"] > 1:
-            self.ddp = DistributedDataParallel(self.submodule, process_group=info.group["dp"])
+        elif data_mesh is not None:
+            self.ddp = DistributedDataParallel(self.submodule, process_group=data_mesh.get_group())
             runner = _DataParallelStage(self.ddp, self.n_microbatches)
         self.runner = runner
         self.stage = PipelineStage(runner, self.stage_index, self.pp, self.device, group=self.pg)
@@ -195,8 +211,9 @@ class PipelinedModel:
         """Unit indices where the stages start, the same on every rank of the mesh.
 
         On the full model, before TP: only pp rank 0 profiles, so it must run no TP collective.
-        Every pipeline group decides; all then adopt the cut of the group at dp = tp = 0 (the TP
-        ranks of a stage must hold the same blocks, and timings differ from rank to rank)."""
+        Every pipeline group decides; all then adopt the cut of the group at dp = tp = cp = 0 (the
+        TP and cp ranks of a stage must hold the same blocks, and timings differ from rank to
+        rank)."""
         model = self.top
         if split_points is None and balance is None:
             split_points = even_starts(len(units), self.pp)
@@ -208,7 +225,7 @@ class PipelinedModel:
         _, self.report = split(units, self.pp, example, balance=balance or "time",
                                split_points=split_points, group=self.pg)
         points = list(self.report.split_points)
-        for dim in ("tp", "dp"):  # the tp and dp peers take the points of their group's rank 0
+        for dim in ("tp", "dp", "cp"):  # the peers take the points of their group's rank 0
             points = comm.agree_on(info.group[dim], "parallelize", points,
                                    detail=f"the split points along {dim}")[0]
         return [0, *points, len(units)]
@@ -254,6 +271,8 @@ class PipelinedModel:
         return None
 
     def _loss(self, logits, labels):
+        if self.context is not None:  # labels shifted over the whole sequence (context.py)
+            return self.context.part_of_loss(logits, labels, self.num_items) * self.context.size
         # sum over the microbatch / tokens of the whole batch: the microbatches' losses add up to
         # the full batch's mean loss, however the batch was split and padded
         return self.top.loss_function(logits=logits, labels=labels, vocab_size=self.vocab,
@@ -272,7 +291,11 @@ class PipelinedModel:
                              f"got {len(args)} positional argument(s) and {sorted(extra)}")
         # a training step (forward and backward) only where the original's call could be one
         train = self.top.training and torch.is_grad_enabled() and labels is not None
-        if labels is not None:
+        if self.context is not None:  # this rank's rows, the labels shifted before the cut
+            call, labels, self.num_items = self.context.shard_call(
+                {"input_ids": input_ids, "labels": labels})
+            input_ids = call["input_ids"]
+        elif labels is not None:
             self.num_items = (labels[..., 1:] != -100).sum()
         if hasattr(self.runner, "count"):  # DDP or FSDP: microbatches counted per step
             self.runner.count = 0
@@ -287,6 +310,8 @@ class PipelinedModel:
         if labels is not None:
             loss = torch.stack(losses).sum() if self.is_last else torch.zeros((), device=input_ids.device)
             loss = loss.float()
+            if self.context is not None and self.is_last:
+                loss = self.context.sum_over_group(loss / self.context.size)
             with comm.failures_named("parallelize pipeline (loss broadcast)", self.pg):
                 dist.broadcast(loss, group=self.pg, group_src=self.pp - 1)
         return self.output_type(loss=loss, logits=logits if self.is_last else None)

@@ -9,7 +9,9 @@ stand-ins (``ModelParts._blocks_replaced``): ``Embed`` runs the base model on th
 first block (``_StopHere`` raises ``_Stop`` with the arguments the block was called with); a block's
 side inputs (mask, rotary table, position ids) are taken the same way, from a forward on
 ``inputs_embeds`` of the microbatch's shape under no_grad, cached per (block, shape) since they depend
-on the shape only (no padding mask travels through the pipeline); ``Head`` runs the causal-LM forward
+on the shape only (no padding mask travels through the pipeline); with context parallelism
+(``ModelParts.positions``) every forward is given the global positions of this rank's rows, which
+depend on the length only, so the rotary tables are the whole sequence's; ``Head`` runs the causal-LM forward
 with a first stand-in that injects the received hidden states (``_Inject``), so the model's own final
 norm, reshape and LM head produce the logits. Stopping by an exception is safe here: transformers'
 forward decorators restore their state in ``finally`` blocks, and the stand-ins hold no state.
@@ -71,6 +73,8 @@ class ModelParts:
         self.base = model.get_submodule(base_name) if base_name else model
         self.blocks = list(getattr(self.base, self.attr))
         self.side_cache: Dict[tuple, tuple] = {}
+        # (length, device) -> [1, length] position ids of this rank's rows; None: 0 .. length - 1
+        self.positions = None
 
     @contextlib.contextmanager
     def _blocks_replaced(self, stand_ins: List[nn.Module]):
@@ -85,6 +89,9 @@ class ModelParts:
         """(args, kwargs) the forward passes to block ``i``."""
         n = len(self.blocks)
         stand_ins = [_Pass() for _ in range(i)] + [_StopHere()] + [_Pass() for _ in range(n - i - 1)]
+        if self.positions is not None:
+            x = inputs.get("input_ids", inputs.get("inputs_embeds"))
+            inputs["position_ids"] = self.positions(x.shape[1], x.device).expand(x.shape[0], -1)
         with self._blocks_replaced(stand_ins):
             try:
                 self.base(use_cache=False, **inputs)

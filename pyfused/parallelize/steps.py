@@ -10,8 +10,8 @@
   average_over_ep     the ep ranks' share of data parallelism: gradient hooks (moe.py);
   apply_cp            context parallelism on the cp dim: attention through ring_attention
                       (context.py);
-  apply_pipeline      with pp > 1, in place of apply_tp and data parallelism: this rank's pipeline
-                      stage, which applies both to the modules it keeps (pipeline.py);
+  apply_pipeline      with pp > 1, in place of apply_tp, apply_cp and data parallelism: this rank's
+                      pipeline stage, which applies them to the modules it keeps (pipeline.py);
   apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
                       with dp="hsdp" on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP);
   apply_ddp           pyfused's DistributedDataParallel on the dp dim (dp x cp with a cp dim).
@@ -118,7 +118,7 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
     if problem is None and pp > 1:
         problem = pp_mod.check(model, resolved, pp, pipeline_options)
     if problem is None:
-        problem = cp_mod.problem(model, info.size["cp"], pp, dp, info.size["ep"])
+        problem = cp_mod.problem(model, info.size["cp"], dp, info.size["ep"])
     if problem is None and dp not in DATA_PARALLEL:
         problem = f"dp must be 'ddp', 'fsdp' or 'hsdp', got {dp!r}"
     if problem is None:
@@ -194,9 +194,13 @@ def apply_tp(model: nn.Module, resolved: plans_mod.ResolvedPlan, tp: tp_mod.Tens
 def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
                    tp: tp_mod.TensorParallel, dp: str,
                    pipeline_options: Dict) -> pp_mod.PipelinedModel:
-    """This rank's pipeline stage and its schedule: the cut is decided on the full model, then TP
-    and ``dp`` apply to the modules the stage keeps (pipeline.py)."""
-    return pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, **pipeline_options)
+    """This rank's pipeline stage and its schedule: the cut is decided on the full model, then TP,
+    cp and ``dp`` (over dp x cp, where the stage's parameters are replicated) apply to the modules
+    the stage keeps (pipeline.py)."""
+    context = apply_cp(None, info) if info.size["cp"] > 1 else None
+    data_mesh = replica_mesh(info) if info.size["dp"] * info.size["cp"] > 1 else None
+    return pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, data_mesh=data_mesh,
+                                 context=context, **pipeline_options)
 
 
 def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInfo,
@@ -232,11 +236,13 @@ def fsdp_mesh(info: MeshInfo):
     return info.fsdp_mesh
 
 
-def apply_cp(model: nn.Module, info: MeshInfo) -> cp_mod.ContextParallel:
-    """Context parallelism on the cp dim: the attention modules run ring_attention (context.py)."""
+def apply_cp(model: Optional[nn.Module], info: MeshInfo) -> cp_mod.ContextParallel:
+    """Context parallelism on the cp dim: the attention modules of ``model`` run ring_attention
+    (context.py); ``model`` None: the cp dim only, which a pipeline stage installs itself."""
     replicas = replica_group(info) if info.size["cp"] > 1 else None
     cp = cp_mod.ContextParallel(info.group["cp"], info.size["cp"], info.coord["cp"], replicas)
-    cp.install(model)
+    if model is not None:
+        cp.install(model)
     return cp
 
 
