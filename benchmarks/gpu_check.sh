@@ -174,6 +174,10 @@ export PYFUSED_FUSED_TIMEOUT_MS=${PYFUSED_FUSED_TIMEOUT_MS:-15000}
 # a flag it would set stalls until the fused timeout traps (seen on the first GPU run, where a
 # two-stream extension test's producer launch waited out the consumer's 60 s wait).
 export CUDA_MODULE_LOADING=EAGER
+# A hardware work queue per stream of the virtual ranks (CUDA's default is 8): streams that share a
+# queue run in one order, so a rank's kernel could wait behind a peer's spinning one
+# (pyfused/testing/virtual_ranks.py, push_streams_per_rank).
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 # torch symmetric memory, for the multi-process smoke only: the CUDA backend (NVSHMEM cannot host
 # several ranks on one GPU), and several ranks per device allowed. env.txt records what took.
 export TORCH_SYMMMEM=CUDA TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
@@ -211,6 +215,8 @@ fact("device", lambda: (lambda p: f"{p.name}, {p.multi_processor_count} SMs, cc 
      torch.cuda.get_device_properties(0)))
 from torch.distributed import _symmetric_memory as sm
 fact("TORCH_SYMMMEM", lambda: os.environ.get("TORCH_SYMMMEM"))
+fact("CUDA_DEVICE_MAX_CONNECTIONS", lambda: os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+fact("CUDA_MODULE_LOADING", lambda: os.environ.get("CUDA_MODULE_LOADING"))
 fact("symmetric-memory backend for cuda:0 (torch's get_backend)", lambda: sm.get_backend("cuda:0"))
 fact("NVSHMEM available", lambda: sm.is_nvshmem_available())
 lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")

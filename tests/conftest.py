@@ -6,6 +6,10 @@ import sys
 # finish, so a kernel spinning on a flag that a later launch of the same process sets (virtual ranks,
 # a test's producer stream) holds that launch until the spin times out. Children inherit it.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# A hardware work queue per stream for virtual ranks (pyfused/testing/virtual_ranks.py,
+# push_streams_per_rank): with CUDA's default 8, streams of different ranks share queues and a
+# rank's kernel can wait behind a peer's spinning one.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -331,3 +331,23 @@ def test_a_late_rank_thread_shows_where_it_is(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("still busy after 0.1 s") == 1, err
     assert "--- rank 1:" in err and "_sleep_on_rank_one" in err and "--- rank 0:" not in err
+
+
+def test_streams_fit_the_hardware_queues():
+    """Every stream of a virtual group gets a hardware queue of its own: rank, comm and push streams
+    per rank, 2 queues kept for the rest of the process; fewer distinct push streams where all do
+    not fit, and a refusal naming CUDA_DEVICE_MAX_CONNECTIONS where one each does not."""
+    from pyfused.comm.streams import push_slots
+    from pyfused.testing.virtual_ranks import push_streams_per_rank
+
+    assert [push_streams_per_rank(w, 32) for w in (1, 2, 3, 4, 8)] == [1, 1, 2, 3, 1]
+    assert push_streams_per_rank(2, 8) == 1  # CUDA's default: 2 ranks fit (6 streams + 2)
+    for w in (3, 4, 8):
+        with pytest.raises(RuntimeError, match="CUDA_DEVICE_MAX_CONNECTIONS is 8.*=32"):
+            push_streams_per_rank(w, 8)
+    for w in (2, 3, 4, 8):
+        per_rank = push_streams_per_rank(w, 32)
+        assert w * (2 + per_rank) + 2 <= 32
+    assert push_slots(7, 2) == [1, 2, 1, 2, 1, 2, 1]  # 7 peers' pushes on 2 streams in turn
+    assert push_slots(3, None) == push_slots(3, 5) == [1, 2, 3]
+    assert _group(3).push_limit is None  # CPU: no streams

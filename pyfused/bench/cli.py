@@ -388,6 +388,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the virtual-rank suite's ranks behind their peers' spinning kernels (pyfused/testing/
     # virtual_ranks.py); the cost is start-up time only, which no measurement includes.
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    # and a hardware work queue per stream of the virtual ranks (push_streams_per_rank there)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     args = parse_args(argv)
     try:
         if args.list:

@@ -18,6 +18,10 @@ _streams: Dict[Tuple[int, Hashable, int], "torch.cuda.Stream"] = {}
 # (pyfused/testing/virtual_ranks.py), where each rank of the process has its own.
 _OWNER: contextvars.ContextVar[Hashable] = contextvars.ContextVar("pyfused_stream_owner",
                                                                    default=None)
+# At most this many distinct push streams per owner (None: one per peer). Virtual ranks set it: all
+# their streams must fit the device's hardware queues (pyfused/testing/virtual_ranks.py).
+_PUSH_LIMIT: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("pyfused_push_limit",
+                                                                            default=None)
 
 
 @contextlib.contextmanager
@@ -28,6 +32,23 @@ def owned_by(owner: Hashable) -> Iterator[None]:
         yield
     finally:
         _OWNER.reset(token)
+
+
+@contextlib.contextmanager
+def push_limit(limit: Optional[int]) -> Iterator[None]:
+    """``push_streams`` in this context hands out at most ``limit`` distinct streams."""
+    token = _PUSH_LIMIT.set(limit)
+    try:
+        yield
+    finally:
+        _PUSH_LIMIT.reset(token)
+
+
+def push_slots(count: int, limit: Optional[int]) -> List[int]:
+    """The side-stream slot of each of ``count`` pushes: its own (1, 2, ...), or with a ``limit``
+    of distinct streams, those ``limit`` slots in turn."""
+    distinct = count if limit is None else max(1, min(count, limit))
+    return [1 + i % distinct for i in range(count)]
 
 
 def forget_owner(owner: Hashable) -> None:
@@ -53,8 +74,9 @@ def comm_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
 
 def push_streams(device: torch.device, count: int) -> List[Optional["torch.cuda.Stream"]]:
     """``count`` (cached, high-priority) side streams besides the comm stream, e.g. one per peer so
-    that pushes to different peers run concurrently; Nones on CPU."""
-    return [_side_stream(device, 1 + i) for i in range(count)]
+    that pushes to different peers run concurrently (under ``push_limit``: fewer distinct streams,
+    taken in turn); Nones on CPU."""
+    return [_side_stream(device, slot) for slot in push_slots(count, _PUSH_LIMIT.get())]
 
 
 @contextlib.contextmanager

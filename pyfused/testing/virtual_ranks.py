@@ -124,6 +124,41 @@ def require_eager_module_loading() -> None:
             "for the peers' kernels that spin on that rank's flags, until the fused timeout traps.")
 
 
+DEFAULT_DEVICE_CONNECTIONS = 8  # CUDA's default of CUDA_DEVICE_MAX_CONNECTIONS
+OTHER_STREAMS = 2  # hardware queues left to the process's other streams (the default stream, ...)
+
+
+def device_connections() -> int:
+    """The hardware work queues CUDA gives the context (``CUDA_DEVICE_MAX_CONNECTIONS``, read by
+    the driver when CUDA starts; 8 unless set, 32 at most)."""
+    return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", DEFAULT_DEVICE_CONNECTIONS))
+
+
+def push_streams_per_rank(world: int, connections: int) -> int:
+    """How many distinct push streams each of ``world`` virtual ranks may use so that every stream
+    of the group -- per rank its own, its comm stream and its push streams -- has a hardware queue of
+    its own.
+
+    CUDA multiplexes streams onto ``connections`` hardware queues, in order within each queue: a
+    kernel in one stream can wait behind a blocked kernel of another stream that shares its queue.
+    Between processes that costs only concurrency; between virtual ranks it is a deadlock, a rank's
+    barrier kernel queued behind a peer's barrier kernel that spins waiting for it. Raises when
+    even one push stream per rank does not fit."""
+    if world == 1:
+        return 1
+    spare = connections - OTHER_STREAMS - 2 * world
+    if spare < world:
+        raise RuntimeError(
+            f"{world} virtual ranks on CUDA use at least {3 * world} streams (each rank's own, its "
+            f"comm stream and a push stream) and each needs a hardware queue of its own, but "
+            f"CUDA_DEVICE_MAX_CONNECTIONS is {connections} ({OTHER_STREAMS} kept for the process's "
+            f"other streams): set CUDA_DEVICE_MAX_CONNECTIONS=32 before the process starts CUDA "
+            f"(the tests' conftest.py, the bench CLI and benchmarks/gpu_check.sh do). Streams that "
+            f"share a queue run in one order, and a rank's kernel queued behind a peer's spinning "
+            f"kernel never starts.")
+    return min(world - 1, spare // world)
+
+
 def default_sm_budget(world: int, device: torch.device) -> int:
     """About SMs / W programs per rank (at least 1); the interpreter's default on CPU."""
     if device.type != "cuda":
@@ -150,8 +185,13 @@ class VirtualGroup:
         self.name = f"virtual{next(_group_ids)}"
         self.sm_budget = sm_budget or default_sm_budget(world, device)
         self.ranks = [VirtualRank(self, r) for r in range(world)]
-        self.streams = ([torch.cuda.Stream(device) for _ in range(world)] if device.type == "cuda"
-                        else [None] * world)
+        # On CUDA: distinct push streams per rank that fit the hardware queues, and the ranks'
+        # streams from the same (high-priority) pool of torch's streams as their side streams, so
+        # that the group's streams are distinct streams of one pool.
+        self.push_limit = (push_streams_per_rank(world, device_connections())
+                           if device.type == "cuda" else None)
+        self.streams = ([torch.cuda.Stream(device, priority=-1) for _ in range(world)]
+                        if device.type == "cuda" else [None] * world)
         self._lock = threading.Lock()
         self._sizes: Dict[int, _SizeClass] = {}
         self._preloaded: set = set()  # (fn, argument signature) whose kernels are loaded
@@ -281,6 +321,7 @@ class VirtualGroup:
                 stack.enter_context(torch.cuda.stream(stream))
             stack.enter_context(config.sm_budget(self.sm_budget))
             stack.enter_context(streams.owned_by(self._owner(rank)))
+            stack.enter_context(streams.push_limit(self.push_limit))
             yield self.ranks[rank]
 
     def launch(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
