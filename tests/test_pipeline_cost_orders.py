@@ -95,6 +95,20 @@ def _rank_orders(stages, m, limit):
     return out
 
 
+def test_lockstep_plan_of_measured_orders_is_simulated_to_its_end():
+    """Interleaved ZB at p = 3, m = 6 with these costs: in the NCCL model a batch of rank 1 can
+    complete only after rank 2's earlier batches have, which completes only after rank 1's; the
+    simulator must complete batches over all ranks to a fixpoint, or it reports a deadlock that the
+    lock-step plan does not have."""
+    draws = [1.0, 1.0, 1.0, 1.0, 2.1875, 2.0, 1.5, 2.0, 1.0, 0.875, 2.0, 3.0, 1.0, 1.0, 3.0, 2.0,
+             2.625, 2.0]
+    costs = tuple(tuple(draws[3 * i:3 * i + 3]) for i in range(6))
+    candidates = measured_orders("interleaved_zb", 3, 2, 6, costs)
+    orders, plans, look = choose_plan("interleaved_zb", 3, 2, 6, True, True, 2, costs)
+    assert look is None and orders == {r: list(o) for r, o in candidates[0].items()}
+    simulate(orders, plans, 3, 6, True)
+
+
 @pytest.mark.parametrize("schedule,p,m", [("zbh1", 2, 2), ("zbh1", 2, 3), ("zbh1", 3, 2),
                                           ("zbv", 2, 1)])
 def test_exact_search_finds_the_brute_force_optimum(schedule, p, m):

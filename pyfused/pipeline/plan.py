@@ -322,12 +322,26 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
         """Grouped: every earlier batch of ``rank`` has completed (or ``bid`` itself has)."""
         return batch_pos[bid] <= first_open[rank]
 
+    def complete_batches(rank: int) -> bool:
+        """Grouped: complete ``rank``'s batches in order while they can; whether any did."""
+        mine, before = batches_of[rank], first_open[rank]
+        while first_open[rank] < len(mine) and all(matched(*op) for op in batch_ops[mine[first_open[rank]]]):
+            first_open[rank] += 1
+        return first_open[rank] != before
+
+    def settle() -> bool:
+        """Grouped: complete every batch that can, over all ranks to a fixpoint (a batch of one rank
+        may complete only once a peer's earlier batches have: checking ranks one at a time, each
+        only when it waits, would miss that and report a deadlock that is not one)."""
+        moved = False
+        while any([complete_batches(rank) for rank in plans]):
+            moved = True
+        return moved
+
     def batch_done(rank: int, bid: int) -> bool:
         if not grouped:
             return all(matched(*op) for op in batch_ops[bid])
-        mine = batches_of[rank]
-        while first_open[rank] < len(mine) and all(matched(*op) for op in batch_ops[mine[first_open[rank]]]):
-            first_open[rank] += 1
+        complete_batches(rank)
         return batch_pos[bid] < first_open[rank]
 
     def recv_done(rank: int, msg: Message) -> bool:
@@ -340,7 +354,7 @@ def simulate(orders: Dict[int, List[Action]], plans: Dict[int, List[Step]], p: i
 
     progress = True
     while progress:
-        progress = False
+        progress = grouped and settle()
         for rank, steps in plans.items():
             while pc[rank] < len(steps):
                 k = pc[rank]
