@@ -184,7 +184,7 @@ def test_lockstep_idle_ticks_only_transfer():
 def test_lockstep_refuses_orders_that_wait_on_each_other():
     F = FORWARD
     orders = {0: [Action(F, 2, 0), Action(F, 0, 0)], 1: [Action(F, 1, 0), Action(F, 3, 0)]}
-    with pytest.raises(PlanError, match="wait on each other"):
+    with pytest.raises(PlanError, match="no lock-step plan: the orders cannot complete"):
         build_lockstep_plan(orders, 2, 4)
 
 

@@ -61,7 +61,7 @@ from .actions import (  # noqa: F401  (local_stages: re-exported with the rest o
     stage_rank,
 )
 from .cost_orders import Costs, measured_orders
-from .zero_bubble import zero_bubble_orders
+from .zero_bubble import replay, zero_bubble_orders
 
 ACT, GRAD = "act", "grad"
 DEFAULT_LOOKAHEAD = 2
@@ -228,30 +228,12 @@ def build_lockstep_plan(orders: Dict[int, List[Action]], p: int, num_stages: int
     of the same tick, so by induction on t every batch starts once the earlier ticks' have
     completed: no cycle, whatever the ranks' real speeds. A tick without an action of the rank
     (``action=None`` before the last step) only posts its transfers."""
-    tick: Dict[Action, int] = {}
-    at: Dict[int, Dict[int, Action]] = {r: {} for r in orders}
-    pc = {r: 0 for r in orders}
-    progress = True
-    while progress:
-        progress = False
-        for rank, order in orders.items():
-            while pc[rank] < len(order):
-                a = order[pc[rank]]
-                t = tick[order[pc[rank] - 1]] + 1 if pc[rank] else 0
-                need = needed(a, num_stages)
-                if need is not None:
-                    producer = Action(FORWARD if need.kind == ACT else BACKWARD, need.src_stage,
-                                      need.mb)
-                    if producer not in tick:
-                        break
-                    t = max(t, tick[producer] + 1)
-                tick[a] = t
-                at[rank][t] = a
-                pc[rank] += 1
-                progress = True
-    stuck = [order[pc[r]] for r, order in orders.items() if pc[r] < len(order)]
-    if stuck:
-        raise PlanError(f"the orders wait on each other: {', '.join(map(str, stuck))} never run")
+    try:  # unit-time start of every action: its tick
+        tick = {a: int(start) for a, (start, _) in
+                replay(orders, p, num_stages, v_shaped, lambda a: 1.0).items()}
+    except RuntimeError as e:
+        raise PlanError(f"no lock-step plan: {e}") from None
+    at: Dict[int, Dict[int, Action]] = {r: {tick[a]: a for a in order} for r, order in orders.items()}
 
     def rank_of(stage: int) -> int:
         return stage_rank(stage, p, v_shaped)
