@@ -291,7 +291,7 @@ class VirtualGroup:
         # A rank thread still busy at half the fused timeout is likely blocked in a call that waits
         # for the context's kernels while a peer spins (module docstring): where it is goes to
         # stderr before the spinning kernel traps and takes the process with it.
-        hint = config.timeout_ms() / 2000 if config.timeout_ms() else timeout_s
+        hint = _half_the_fused_timeout() or timeout_s
         start = time.monotonic()
         for event in done:
             event.wait(max(0.0, min(hint, timeout_s) - (time.monotonic() - start)))
@@ -332,7 +332,8 @@ class VirtualGroup:
 
         threads: launch each rank from its own host thread (a host-blocking step inside one rank's
         call then blocks only that rank); ``False`` launches them in rank order from this thread,
-        for timing calls already known not to block (warmed up). delay: that rank starts
+        for timing calls already known not to block (warmed up by a threaded call: no preload
+        pass, no memory reserve, nothing computed per call beyond the launch). delay: that rank starts
         ``delay_s`` late (a sleep kernel on its stream on a GPU, a host sleep on CPU). skip: that
         rank does not take part (its result is None): a lost flag."""
         args = list(args) or [()] * self.world
@@ -355,7 +356,7 @@ class VirtualGroup:
                 errors[r] = e
 
         ranks = [r for r in range(self.world) if r != skip]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and threads:  # threads=False: already warmed up
             self._reserve_memory()
             self._preload(fn, args, ranks, timeout_s)
         if threads:
@@ -424,20 +425,28 @@ class VirtualGroup:
             event = torch.cuda.Event()
             event.record(stream)
             done.append(event)
-        if config.timeout_ms():
-            deadline = time.monotonic() + config.timeout_ms() / 2000
+        hint = _half_the_fused_timeout()
+        if hint:
+            deadline = time.monotonic() + hint
             while time.monotonic() < deadline and not all(e.query() for e in done):
                 time.sleep(0.001)
             busy = [r for r, event in enumerate(done) if not event.query()]
             if busy:
-                print(f"{self.name}: the streams of ranks {busy} are still busy after "
-                      f"{config.timeout_ms() / 2000:.1f} s; epochs per size class, rank by rank: "
-                      f"{self.epochs()}", file=sys.stderr, flush=True)
+                print(f"{self.name}: the streams of ranks {busy} are still busy after {hint:.1f} s; "
+                      f"epochs per size class, rank by rank: {self.epochs()}", file=sys.stderr,
+                      flush=True)
         torch.cuda.synchronize(self.device)
 
     def epochs(self) -> List[List[int]]:
         """Every size class's epoch on every rank (they move together: one per collective call)."""
         return [[buf.epoch for buf in size] for size in self.buffers()]
+
+
+def _half_the_fused_timeout() -> Optional[float]:
+    """Seconds after which a busy rank is reported, before a spinning kernel traps at the fused
+    timeout (None: the waits never time out)."""
+    ms = config.timeout_ms()
+    return ms / 2000 if ms else None
 
 
 SMALL_RESERVE_SEGMENTS = 16  # 2 MiB segments of the caching allocator's small pool, per rank
