@@ -482,8 +482,11 @@ class _RankThread:
         self._jobs.put(run)
         return done
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """End the thread and wait for it: a thread still ending when the process exits can be cut
+        in the middle of its C++ thread-local teardown, which aborts the process."""
         self._jobs.put(None)
+        self._thread.join(timeout_s)
 
     def stack(self) -> str:
         """Where the thread is now (its Python stack, innermost last)."""
