@@ -26,6 +26,7 @@ matplotlib).
 """
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -49,6 +50,7 @@ EXPERTS_PER_RANK = 4
 BLOCK_SHAPES = {"cpu": [(256, 256, 256), (1024, 512, 1024)],
                 "cuda": [(4096, 2048, 1024), (16384, 4096, 2048)]}
 ROUTINGS = ("uniform", "hot", "empty")
+SHAPES_ENV = "PYFUSED_MOE_SHAPES"  # e.g. 1024x1024x256,256x256x256: the block's T x H x F per rank
 # the op suites' (tokens, hidden, expert width) per rank
 OP_SHAPES = {"cpu": [(256, 256, 256), (1024, 512, 1024)], "cuda": [(4096, 4096, 2048)]}
 
@@ -180,6 +182,22 @@ def draw_timeline(events_by_rank, png: Path, title: str) -> str:
     return ""
 
 
+def block_shapes(ctx: BenchContext) -> List[tuple]:
+    """The block's (tokens, hidden, ffn) points: ``PYFUSED_MOE_SHAPES`` if set, else the device's."""
+    spec = os.environ.get(SHAPES_ENV)
+    if spec:
+        try:
+            shapes = [tuple(int(n) for n in item.lower().split("x")) for item in spec.split(",")
+                      if item.strip()]
+        except ValueError:
+            shapes = []
+        if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+            raise ValueError(f"{SHAPES_ENV}={spec!r}: expected TxHxF points separated by commas, "
+                             f"e.g. 1024x1024x256")
+        return shapes
+    return BLOCK_SHAPES.get(ctx.device.type, BLOCK_SHAPES["cuda"])[: 1 if ctx.quick else None]
+
+
 def run(ctx: BenchContext) -> List[Dict]:
     if ctx.world < 2:
         return []  # expert parallelism needs peers; the op suites cover one rank
@@ -187,7 +205,7 @@ def run(ctx: BenchContext) -> List[Dict]:
     comm.agree_on_local_work(ctx.group, "creating the output folder",
                              lambda: out_dir.mkdir(parents=True, exist_ok=True)
                              if ctx.rank == 0 else None)
-    shapes = BLOCK_SHAPES.get(ctx.device.type, BLOCK_SHAPES["cuda"])[: 1 if ctx.quick else None]
+    shapes = block_shapes(ctx)
     rows: List[Dict] = []
     for shape in shapes:
         for case in ROUTINGS:

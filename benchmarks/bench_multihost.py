@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from pyfused import comm
 from pyfused._logging import logger
-from pyfused.bench.harness import BenchContext, op_row, time_interleaved
+from pyfused.bench.harness import LINK_ENV, BenchContext, op_row, time_interleaved
 from pyfused.comm.hierarchical import HostAllReduce
 
 from . import multihost_steps
@@ -46,7 +46,6 @@ MULTI_RANK = True
 MIB = 1 << 20
 SIZES_MIB = (1, 2, 4, 8, 16, 32, 64)
 QUICK_SIZES_MIB = (1, 4)
-LINK_ENV = "MULTIHOST_LINK"
 PLOT = "multihost_allreduce.png"
 
 

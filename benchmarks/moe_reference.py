@@ -5,6 +5,7 @@ suite: the per-expert counts by ``all_to_all_single``, the tokens by the differe
 from __future__ import annotations
 
 import statistics
+import warnings
 from typing import Dict, List, Sequence
 
 import torch
@@ -16,6 +17,10 @@ from pyfused import comm
 from pyfused.bench.harness import op_row, paired_speedup
 
 REFERENCE_NOTE = "all_to_all_single + a loop over experts"
+# The differentiable all_to_all_single is what torch users call today; its deprecation notice
+# (pointing at a private module) would otherwise fill every benchmark log.
+warnings.filterwarnings("ignore", message=r".*nn\.functional\.all_to_all_single is deprecated",
+                        category=FutureWarning)
 
 
 def swiglu(h: torch.Tensor, act=F.silu) -> torch.Tensor:

@@ -433,6 +433,33 @@ def test_every_suite_is_described_in_bench_md():
     assert not missing, f"docs/BENCH.md's suite table does not describe {missing}"
 
 
+def test_moe_block_shapes_from_the_environment(monkeypatch):
+    """``PYFUSED_MOE_SHAPES`` replaces the moe suite's block points; a malformed one is refused
+    with the expected form."""
+    from pyfused.benchmarks import bench_moe
+
+    ctx = _ctx(2)
+    monkeypatch.delenv(bench_moe.SHAPES_ENV, raising=False)
+    assert bench_moe.block_shapes(ctx) == bench_moe.BLOCK_SHAPES["cpu"]
+    monkeypatch.setenv(bench_moe.SHAPES_ENV, "1024x1024x256, 7X9x5")
+    assert bench_moe.block_shapes(ctx) == [(1024, 1024, 256), (7, 9, 5)]
+    for bad in ("1024x1024", "axbxc", "0x4x4", ","):
+        monkeypatch.setenv(bench_moe.SHAPES_ENV, bad)
+        with pytest.raises(ValueError, match="expected TxHxF points"):
+            bench_moe.block_shapes(ctx)
+
+
+def test_rows_name_the_test_beds_link(monkeypatch):
+    """On the multi-host test bed every row carries the link description the bed sets; elsewhere
+    there is no ``link`` column."""
+    from pyfused.bench.harness import LINK_ENV, metadata
+
+    monkeypatch.delenv(LINK_ENV, raising=False)
+    assert "link" not in metadata(_ctx(2))
+    monkeypatch.setenv(LINK_ENV, "veth+bridge, tbf 1gbit")
+    assert metadata(_ctx(2))["link"] == "veth+bridge, tbf 1gbit"
+
+
 def _moe_model_rows(rank, world):
     import torch.distributed as dist
 

@@ -10,7 +10,9 @@ The reported time is the median over iterations.
 Rows. A suite's ``run(ctx)`` returns a list of dicts, one per measured point. The CLI prints and
 writes them: the columns it knows (``ROW_COLUMNS``, which ``op_row`` fills) go into its table, every
 other key is kept in the CSV/JSON. Every row names its ``transport`` ("gloo", "nccl", "symm-mem" or
-"none"), so that a speedup measured over a slower transport is never read as a kernel's. The
+"none"), so that a speedup measured over a slower transport is never read as a kernel's; on the
+multi-host test bed (docs/MULTIHOST.md) every row also carries ``link``, the bed's description of
+the links between its hosts (``LINK_ENV``). The
 derived columns are computed here and only here (``tflops``, ``bandwidths``, ``speedup``,
 ``overlap_efficiency``); docs/BENCH.md repeats the formulas.
 
@@ -380,10 +382,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+# Set by the multi-host test bed (benchmarks/multihost_testbed.py) on every host it starts.
+LINK_ENV = "MULTIHOST_LINK"
+
+
 def metadata(ctx: BenchContext) -> Dict[str, Any]:
     """Columns every row carries: where and when it was measured, and how."""
     from .. import comm
 
+    link = {"link": os.environ[LINK_ENV]} if os.environ.get(LINK_ENV) else {}
     if ctx.device.type == "cuda":
         device_name = torch.cuda.get_device_name(ctx.device)
     else:
@@ -400,6 +407,7 @@ def metadata(ctx: BenchContext) -> Dict[str, Any]:
         "warmup": ctx.warmup,
         "iters": ctx.iters,
         "threads": torch.get_num_threads(),
+        **link,
     }
 
 
