@@ -118,3 +118,33 @@ def test_layouts_that_do_not_fit_are_refused_in_mode_always(ranks):
     errors = ranks.run(3, _misfit, "always", timeout=60)
     assert errors[0] is not None and len(set(errors)) == 1, errors
     assert "the layouts do not fit the routing" in errors[0], errors
+
+
+def _count_exchanges_of_a_step(rank, world, method):
+    """One forward and backward of dispatch -> SiLU -> combine: how many count exchanges this
+    rank recorded, and its gradients' finiteness."""
+    from pyfused.ops import moe_combine, moe_dispatch, moe_exchange
+
+    torch.manual_seed(rank)
+    tokens = 7 + 2 * rank
+    x = torch.randn(tokens, 8, requires_grad=True)
+    idx = torch.stack([torch.randperm(2 * world)[:2] for _ in range(tokens)])
+    gates = torch.rand(tokens, 2, requires_grad=True)
+    up = torch.randn(2, 8, 6, requires_grad=True)
+    down = torch.randn(2, 6, 8, requires_grad=True)
+    with moe_exchange.recording() as events:
+        h, layout = moe_dispatch(x, idx, up, method=method)
+        out = moe_combine(torch.nn.functional.silu(h), gates, idx, layout, down, method=method)
+        out.sum().backward()
+    counts = sum(1 for what, _, _ in events if what == "counts")
+    return counts, all(t.grad.isfinite().all().item() for t in (x, gates, up, down))
+
+
+@pytest.mark.parametrize("method", ["unfused", "decomposed"])
+def test_a_training_step_exchanges_the_counts_once(ranks, method):
+    """The routing the forward dispatch exchanged serves the backward too: combine's backward
+    (a dispatch of the gradients) reuses its layout, so a step has one count exchange (and one
+    host read of the counts for it) per MoE layer, not two. The gradients themselves are checked
+    by the tests above."""
+    for counts, finite in ranks.run(3, _count_exchanges_of_a_step, method, timeout=TIMEOUT):
+        assert counts == 1 and finite

@@ -131,7 +131,7 @@ def weighted_sum(returned: Tensor, routing: Routing, topk_weights: Optional[Tens
                  k: int) -> Tuple[Tensor, Tensor]:
     """(out [T, H]: each token's k rows summed, weighted; the rows per pair [T * k, H])."""
     start = moe_exchange.now()
-    pairs = returned.new_empty(returned.shape).index_copy_(0, routing.order, returned)
+    pairs = returned.index_select(0, moe_exchange.inverse_permutation(routing.order))
     dt = torch.promote_types(returned.dtype, torch.float32)
     by_token = pairs.view(tokens, k, pairs.shape[1]).to(dt)
     if topk_weights is None:
@@ -209,7 +209,7 @@ def _backward(ctx, grad_out, _grad_pairs):
         back = None if weight is None else weight.transpose(1, 2)
         keep = ctx.needs_input_grad[4]
         grad_y, _, received = torch.ops.pyfused.moe_dispatch(
-            rows, idx, back, world * layout.shape[1], ctx.group_name, ctx.method, keep)
+            rows, idx, back, world * layout.shape[1], ctx.group_name, ctx.method, keep, layout)
         if keep:
             grad_weight = torch.ops.pyfused.moe_expert_weight_grad(y, received, layout)
     return grad_y, grad_weights, None, None, grad_weight, None, None, None

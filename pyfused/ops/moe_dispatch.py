@@ -152,11 +152,15 @@ def _place(dest: Tensor, where: Optional[Tensor], at: List[int], source: int, ro
 
 @comm.names_failures(OP)
 def _run(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], num_experts: int, pg, method: str,
-         keep_received: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """2-D x [T, H], topk_idx [T, k]: (out, layout, received rows or an empty tensor)."""
+         keep_received: bool, layout: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """2-D x [T, H], topk_idx [T, k]: (out, layout, received rows or an empty tensor).
+    ``layout``: the routing is already known (an earlier dispatch of the same ``topk_idx`` on
+    every rank returned it), so the counts are not exchanged again; the fused method, which
+    sizes its buffers from every rank's counts, exchanges them regardless."""
     if method == "fused":
         return _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received)
-    routing = moe_exchange.route(OP, topk_idx, num_experts, pg)
+    routing = (moe_exchange.route(OP, topk_idx, num_experts, pg) if layout is None
+               else moe_exchange.routing_from_layout(topk_idx, layout, pg))
     k = topk_idx.shape[1]
     rows = x.index_select(0, routing.order // k if k > 1 else routing.order)
     out, received = dispatch_rows(OP, rows, routing, weight, pg, method, keep_received)
@@ -180,18 +184,23 @@ def _fused_rows(x, topk_idx, weight, num_experts, pg, keep_received):
 
 @torch.library.custom_op("pyfused::moe_dispatch", mutates_args=(), **_common.OP_TAGS)
 def _moe_dispatch_op(x: Tensor, topk_idx: Tensor, weight: Optional[Tensor], num_experts: int,
-                     group_name: str, method: str, keep_received: bool
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """2-D op: (out, layout, the received rows if keep_received and weight, else empty)."""
+                     group_name: str, method: str, keep_received: bool,
+                     known_layout: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """2-D op: (out, layout, the received rows if keep_received and weight, else empty).
+    ``known_layout``: the layout an earlier dispatch of this ``topk_idx`` returned (moe_combine's
+    backward), which saves the count exchange; None to exchange the counts."""
     pg = comm.group_from_name(group_name)
     if not _common.take_validated():
         pg, choice = prepare(x, topk_idx, weight, num_experts, pg, method)
         method = choice.method
-    return _run(x, topk_idx, weight, num_experts, pg, method, keep_received)
+    out, layout, received = _run(x, topk_idx, weight, num_experts, pg, method, keep_received,
+                                 known_layout)
+    # an op's output may not alias its input: a known layout comes back as a (tiny) copy
+    return out, (layout.clone() if layout is known_layout else layout), received
 
 
 @_moe_dispatch_op.register_fake
-def _(x, topk_idx, weight, num_experts, group_name, method, keep_received):
+def _(x, topk_idx, weight, num_experts, group_name, method, keep_received, known_layout=None):
     world = comm.world_size(comm.group_from_name(group_name))
     rows = torch.library.get_ctx().new_dynamic_size()
     width = x.shape[1] if weight is None else weight.shape[2]
@@ -202,7 +211,7 @@ def _(x, topk_idx, weight, num_experts, group_name, method, keep_received):
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, weight, num_experts, group_name, method, _ = inputs
+    x, topk_idx, weight, num_experts, group_name, method, _, _ = inputs
     ctx.group_name, ctx.method, ctx.num_experts = group_name, method, num_experts
     ctx.save_for_backward(topk_idx, weight, output[1], output[2])
 
@@ -216,7 +225,7 @@ def _backward(ctx, grad_out, _grad_layout, _grad_received):
                                                ctx.group_name, ctx.method, False)[0]
     if ctx.needs_input_grad[2]:
         grad_weight = torch.ops.pyfused.moe_expert_weight_grad(received, grad_out, layout)
-    return grad_x, None, grad_weight, None, None, None, None
+    return grad_x, None, grad_weight, None, None, None, None, None
 
 
 _moe_dispatch_op.register_autograd(_backward, setup_context=_setup_context)
@@ -374,7 +383,7 @@ def _registered(plan, group, method, num_experts, x, topk_idx, weight):
     experts = _experts(num_experts, weight, plan.world)
     keep = torch.is_grad_enabled() and weight is not None and weight.requires_grad
     out, layout, _ = _common.call_op(plan, torch.ops.pyfused.moe_dispatch, x2, idx2, weight,
-                                     experts, plan.group_name, plan.method, keep)
+                                     experts, plan.group_name, plan.method, keep, None)
     return out, layout
 
 
