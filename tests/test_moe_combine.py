@@ -122,8 +122,22 @@ def test_layouts_that_do_not_fit_are_refused_in_mode_always(ranks):
 
 def _count_exchanges_of_a_step(rank, world, method):
     """One forward and backward of dispatch -> SiLU -> combine: how many count exchanges this
-    rank recorded, and its gradients' finiteness."""
+    rank recorded, how many routings it sorted and how many tensors it read on the host, and its
+    gradients' finiteness."""
+    from unittest import mock
+
     from pyfused.ops import moe_combine, moe_dispatch, moe_exchange
+
+    sorts, reads = [], []
+    pair_order, tolist = moe_exchange.pair_order, torch.Tensor.tolist
+
+    def counted_sort(flat):
+        sorts.append(1)
+        return pair_order(flat)
+
+    def counted_read(t):
+        reads.append(1)
+        return tolist(t)
 
     torch.manual_seed(rank)
     tokens = 7 + 2 * rank
@@ -132,19 +146,28 @@ def _count_exchanges_of_a_step(rank, world, method):
     gates = torch.rand(tokens, 2, requires_grad=True)
     up = torch.randn(2, 8, 6, requires_grad=True)
     down = torch.randn(2, 6, 8, requires_grad=True)
-    with moe_exchange.recording() as events:
-        h, layout = moe_dispatch(x, idx, up, method=method)
-        out = moe_combine(torch.nn.functional.silu(h), gates, idx, layout, down, method=method)
-        out.sum().backward()
+    step = 0
+    for step in range(2):  # the first call of each op validates (its own host reads)
+        sorts.clear(), reads.clear()
+        with moe_exchange.recording() as events, \
+                mock.patch.object(moe_exchange, "pair_order", counted_sort), \
+                mock.patch.object(torch.Tensor, "tolist", counted_read):
+            h, layout = moe_dispatch(x, idx, up, method=method)
+            out = moe_combine(torch.nn.functional.silu(h), gates, idx, layout, down,
+                              method=method)
+            out.sum().backward()
     counts = sum(1 for what, _, _ in events if what == "counts")
-    return counts, all(t.grad.isfinite().all().item() for t in (x, gates, up, down))
+    return counts, len(sorts), len(reads), all(t.grad.isfinite().all().item()
+                                               for t in (x, gates, up, down))
 
 
 @pytest.mark.parametrize("method", ["unfused", "decomposed"])
 def test_a_training_step_exchanges_the_counts_once(ranks, method):
-    """The routing the forward dispatch exchanged serves the backward too: combine's backward
-    (a dispatch of the gradients) reuses its layout, so a step has one count exchange (and one
-    host read of the counts for it) per MoE layer, not two. The gradients themselves are checked
-    by the tests above."""
-    for counts, finite in ranks.run(3, _count_exchanges_of_a_step, method, timeout=TIMEOUT):
-        assert counts == 1 and finite
+    """The routing the forward dispatch exchanged serves the rest of the step: combine, its
+    backward (a dispatch of the gradients along the same routing) and the dispatch's backward take
+    it from the layout, so a training step has one count exchange, one sort of the pairs and one
+    host read (the exchanged counts: one synchronization on a GPU) per MoE layer. The gradients
+    themselves are checked by the tests above."""
+    for counts, sorts, reads, finite in ranks.run(3, _count_exchanges_of_a_step, method,
+                                                  timeout=TIMEOUT):
+        assert (counts, sorts, reads, finite) == (1, 1, 1, True)

@@ -235,7 +235,7 @@ _moe_dispatch_op.register_autograd(_backward, setup_context=_setup_context)
 def _expert_weight_grad_op(rows: Tensor, grad: Tensor, layout: Tensor) -> Tensor:
     """[E_l, K, N]: rows_e^T @ grad_e per local expert (rows expert-major, ``layout`` counts):
     the experts' weight gradient of both MoE ops (its counts are read on the host)."""
-    return grouped_weight_grad(rows, grad, layout.sum(0).tolist())
+    return grouped_weight_grad(rows, grad, moe_exchange.expert_row_counts(layout))
 
 
 @_expert_weight_grad_op.register_fake

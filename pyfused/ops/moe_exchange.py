@@ -17,8 +17,12 @@ e // E_l as its local expert e % E_l. On a source rank, T tokens each chose k ex
 all-to-all of the per-expert counts (each rank also sends the number of its ``topk_idx`` values out
 of range, so that every rank raises the same error before any row moves), then reads the counts on
 the
-host: the one host synchronization of ``moe_dispatch`` (on a GPU; none on CPU). ``moe_combine``
-reads the layout it is given on the host (its one synchronization on a GPU).
+host: the one host synchronization of ``moe_dispatch`` (on a GPU; none on CPU). ``route``
+remembers the routing by the ``layout`` tensor it returns (``known_routing``), so that
+``moe_combine`` and both backward passes, given that layout and the same ``topk_idx``, take the
+routing -- the host counts included -- without reading the device again; a layout they did not get
+from ``route`` in this process (or one changed in place since) is read on the host, one
+synchronization on a GPU.
 
 Transfers: ``exchange`` runs one ``all_to_all_single`` with split sizes (the unfused methods);
 ``PeerTransfers`` posts one send and one receive per peer with rows to move and lets the caller wait
@@ -40,6 +44,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import comm
 from ..comm.faults import fault_point, transfer_timeout
@@ -193,7 +198,9 @@ def route(op: str, topk_idx: Tensor, num_experts: int, pg) -> Routing:
         where = ", ".join(f"rank {s}: {n}" for s, n in bad.items())
         raise comm.InputError(f"pyfused.{op}: topk_idx holds values outside [0, {num_experts}) "
                               f"(num_experts={num_experts}; {where})")
-    return Routing(w, r, pair_order(flat), send, layout, [row[:el] for row in received])
+    routing = Routing(w, r, pair_order(flat), send, layout, [row[:el] for row in received])
+    _remember(routing, topk_idx)
+    return routing
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,10 +213,50 @@ def _count_rows(world: int, local: int, device: torch.device) -> Tensor:
     return torch.cat([experts, out_of_range], dim=1).to(device)
 
 
+# route's routings, by the layout tensor each returned: (its topk_idx, the versions of the two
+# tensors then, the routing). The entry keeps that topk_idx alive, so a later topk_idx at the same
+# address with the same version is the same data; it goes with the layout.
+_routings: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _remember(routing: Routing, topk_idx: Tensor) -> None:
+    _routings[routing.layout] = (topk_idx, topk_idx._version, routing.layout._version, routing)
+
+
+def known_routing(topk_idx: Optional[Tensor], layout: Tensor) -> Optional[Routing]:
+    """The routing ``route`` returned with ``layout``, if neither tensor changed since and
+    ``topk_idx`` holds the same indices (the same memory, any shape: the backward passes view it
+    as [T * k, 1]); ``topk_idx`` None: the layout alone (its counts). Else None."""
+    entry = _routings.get(layout)
+    if entry is None:
+        return None
+    idx, idx_version, layout_version, routing = entry
+    if layout._version != layout_version:
+        return None
+    if topk_idx is not None and not (topk_idx.data_ptr() == idx.data_ptr()
+                                      and topk_idx.numel() == idx.numel()
+                                      and topk_idx.dtype == idx.dtype
+                                      and topk_idx._version == idx_version
+                                      and topk_idx.is_contiguous() and idx.is_contiguous()):
+        return None
+    return routing
+
+
+def expert_row_counts(layout: Tensor) -> List[int]:
+    """Rows received for each local expert, from the remembered routing if there is one (no host
+    read of the device), else from ``layout`` on the host."""
+    routing = known_routing(None, layout)
+    return routing.expert_counts if routing is not None else layout.sum(0).tolist()
+
+
 def routing_from_layout(topk_idx: Tensor, layout: Tensor, pg) -> Routing:
     """The routing of an earlier dispatch, from its ``layout`` and this rank's ``topk_idx``: no
-    exchange (``moe_combine`` and the backward passes)."""
+    exchange (``moe_combine`` and the backward passes); the remembered one where ``route`` made
+    it (``known_routing``)."""
     w, r = comm.world_size(pg), comm.rank(pg)
+    known = known_routing(topk_idx, layout)
+    if known is not None and (known.world, known.rank) == (w, r):
+        return known
     el = layout.shape[1]
     flat = topk_idx.reshape(-1)
     experts = torch.bincount(flat.clamp(0, w * el - 1), minlength=w * el)
