@@ -110,7 +110,9 @@ def wait_bounded(work, pg: Optional[dist.ProcessGroup], device: torch.device) ->
     """``work.wait()``, at most the group's timeout from now on a CPU backend (``transfer_timeout``
     says why); past it gloo raises ``RuntimeError: Operation timed out!``, which ``failures_named``
     turns into ``PeerFailure``. ``work``: a ``torch.distributed.Work``, or any handle whose ``wait``
-    takes a timeout. On a completed work it costs what ``wait()`` costs."""
+    takes a timeout. ``Work.wait(timeout)`` costs what ``wait()`` costs; reading the group's
+    timeout adds a few microseconds, so a caller waiting on many works reads it once
+    (``transfer_timeout``) and passes it to each."""
     work.wait(transfer_timeout(pg, device))
 
 
