@@ -1,5 +1,6 @@
 """A multi-host test bed on one Linux machine: N hosts as network namespaces on one bridge, each
-running real ``torchrun`` against the first host's address (docs/MULTIHOST.md).
+running real ``torchrun`` against the first host's address, or against a rendezvous host of its
+own (docs/MULTIHOST.md).
 
 Layout. Every name starts with the bed's tag, ``pfmh-<pid of the creating process>``, so that
 several beds (concurrent test runs) never collide and a bed whose creator died is recognised as
@@ -7,11 +8,23 @@ stale and removed (``clean_stale``)::
 
     namespace <tag>-sw    the switch: bridge "br0" with one port "p<i>" per host
     namespace <tag>-h<i>  host i: "lo" and "mhlink" (10.77.0.<i+1>/24), the far end of port p<i>
+    namespace <tag>-rdzv  the rendezvous host (``rendezvous_host=True``): "mhlink" 10.77.0.254/24,
+                          the far end of port "pr"; it runs no ranks, only torch's TCPStore
 
 Nothing is created in the machine's own network namespace: no address, route or link of it
 changes, and the hosts' traffic can reach nothing but the other hosts of the bed. gloo binds to
 "mhlink" (``GLOO_SOCKET_IFNAME``) and torchrun's rendezvous store listens on host 0's address
 (``--rdzv-endpoint``, ``--local-addr``), so every byte between two hosts crosses the bridge.
+
+The rendezvous store. By default host 0's torchrun agent serves it (``is_host=1``), as the first
+node of a c10d rendezvous does, so losing host 0 ends the job on every host. With
+``rendezvous_host=True`` the bed starts the store in a namespace of its own -- torch's
+``TCPStore(..., is_master=True)`` in a ``python -c`` process (``STORE_SERVER``), the bed's for its
+whole life -- and every agent joins it with ``is_host=0``: any host may then be lost. Each agent's
+``--local-addr`` is its own address, which torchrun makes the workers' ``MASTER_ADDR`` when its
+node is rank 0 of a round, so a job re-formed without host 0 forms its workers' store on its new
+rank 0's host (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on a store the workers make
+themselves, without it on one the agent serves).
 
 Shaping (optional): ``tc netem`` on both ends of each host's link -- the egress of "mhlink" (what
 the host sends: ``rate`` and ``delay``) and of port p<i> (what it receives: ``rate``) -- so each
@@ -70,6 +83,15 @@ SUBNET = "10.77.0"
 PREFIX_LEN = 24
 BRIDGE = "br0"
 RDZV_PORT = 29400
+RENDEZVOUS_ADDRESS = f"{SUBNET}.254"  # the rendezvous host's (rendezvous_host=True)
+RENDEZVOUS_PORT_NAME = "pr"           # its port on the switch
+STORE_READY_S = 180.0                 # importing torch on a loaded 2-core box
+# What the rendezvous host runs: torch's TCPStore server, serving until the bed ends the process.
+STORE_SERVER = ("import datetime, signal, sys; import torch.distributed as dist; "
+                "store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, "
+                "wait_for_workers=False, timeout=datetime.timedelta(seconds=60)); "
+                "print('serving the rendezvous store on', sys.argv[1], sys.argv[2], flush=True); "
+                "signal.pause()")
 MAX_HOSTS = 16
 # Set in every host's environment to describe the links (benchmarks record it in their rows).
 LINK_ENV = "MULTIHOST_LINK"
@@ -127,18 +149,23 @@ class Launch:
 
 
 class Testbed:
-    """``hosts`` network namespaces on one bridge; use as a context manager (``up`` / ``down``)."""
+    """``hosts`` network namespaces on one bridge; use as a context manager (``up`` / ``down``).
+    ``rendezvous_host``: serve torchrun's rendezvous store from a namespace of its own, which runs
+    no ranks, instead of from host 0's agent (module docstring)."""
 
-    def __init__(self, hosts: int = 2, shaping: Shaping = Shaping(), log_dir: Optional[Path] = None):
+    def __init__(self, hosts: int = 2, shaping: Shaping = Shaping(), log_dir: Optional[Path] = None,
+                 rendezvous_host: bool = False):
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in [1, {MAX_HOSTS}], got {hosts}")
         self.hosts = hosts
         self.shaping = shaping
         self.tag = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.switch = f"{self.tag}-sw"
+        self.rendezvous_namespace = f"{self.tag}-rdzv" if rendezvous_host else None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.launches = 0
         self.shaper: Optional[str] = None  # the qdisc that shapes the links: "netem" or "tbf"
+        self.store: Optional[subprocess.Popen] = None  # the rendezvous host's store server
         self._created: List[str] = []
 
     def namespace(self, host: int) -> str:
@@ -147,6 +174,11 @@ class Testbed:
     @staticmethod
     def address(host: int) -> str:
         return f"{SUBNET}.{host + 1}"
+
+    @property
+    def rendezvous_address(self) -> str:
+        """Where torchrun's rendezvous store listens: the rendezvous host, else host 0."""
+        return RENDEZVOUS_ADDRESS if self.rendezvous_namespace else self.address(0)
 
     # ------------------------------------------------------------------ building and removing
     def up(self) -> "Testbed":
@@ -158,6 +190,8 @@ class Testbed:
             ip("-n", self.switch, "link", "set", BRIDGE, "up")
             for i in range(self.hosts):
                 self._add_host(i)
+            if self.rendezvous_namespace:
+                self._add_rendezvous_host()
         except BaseException:
             self.down()
             raise
@@ -170,16 +204,40 @@ class Testbed:
 
     def _add_host(self, i: int) -> None:
         ns, port = self.namespace(i), f"p{i}"
-        self._add_namespace(ns)
-        ip("link", "add", LINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-        ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
-        ip("-n", self.switch, "link", "set", port, "up")
-        ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", LINK)
-        ip("-n", ns, "link", "set", LINK, "up")
+        self._plug(ns, port, self.address(i))
         if self.shaping:
             self._shape(ns, LINK, outbound=True)
             if self.shaping.rate:
                 self._shape(self.switch, port, outbound=False)
+
+    def _plug(self, ns: str, port: str, address: str) -> None:
+        """A new namespace ``ns`` whose link, at ``address``, is port ``port`` of the switch."""
+        self._add_namespace(ns)
+        ip("link", "add", LINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+        ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
+        ip("-n", self.switch, "link", "set", port, "up")
+        ip("-n", ns, "addr", "add", f"{address}/{PREFIX_LEN}", "dev", LINK)
+        ip("-n", ns, "link", "set", LINK, "up")
+
+    def _add_rendezvous_host(self) -> None:
+        """The rendezvous host (unshaped: it carries only the agents' store traffic) and its
+        store server, once it listens."""
+        ns = self.rendezvous_namespace
+        self._plug(ns, RENDEZVOUS_PORT_NAME, RENDEZVOUS_ADDRESS)
+        log_dir = self.log_dir or Path.cwd() / "multihost_logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / "rendezvous_store.log"
+        with log.open("w") as out:
+            self.store = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-c", STORE_SERVER, RENDEZVOUS_ADDRESS,
+                 str(RDZV_PORT)], env=self.host_env(), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        deadline = time.monotonic() + STORE_READY_S
+        while "serving" not in log.read_text(errors="replace"):
+            if self.store.poll() is not None or time.monotonic() > deadline:
+                raise TestbedError(f"the rendezvous store did not start within {STORE_READY_S:g} s "
+                                   f"(exit status {self.store.poll()}): {log.read_text()[-2000:]}")
+            time.sleep(0.2)
 
     def _shape(self, ns: str, dev: str, outbound: bool) -> None:
         """netem on ``dev``'s egress; tbf where the kernel has no netem and no delay is asked."""
@@ -203,6 +261,9 @@ class Testbed:
         """Stop every process of the bed and delete its namespaces (safe to call twice)."""
         delete_namespaces(self._created)
         self._created = []
+        if self.store is not None:
+            self.store.wait(timeout=STOP_GRACE_S)  # ended with its namespace; reap it
+            self.store = None
 
     def __enter__(self) -> "Testbed":
         return self.up()
@@ -228,15 +289,16 @@ class Testbed:
     def torchrun_argv(self, host: int, command: Sequence[str], nproc_per_node: int = 2,
                       run_id: str = "bed", port: int = RDZV_PORT,
                       elastic: Optional[Elastic] = None) -> List[str]:
-        """torchrun on host ``host``, joining the c10d rendezvous on host 0 (which hosts its store);
-        ``command`` is what torchrun runs: ``["-m", "module", ...]`` or ``["script.py", ...]``.
-        Without ``elastic``: exactly the bed's hosts, no restart."""
+        """torchrun on host ``host``, joining the c10d rendezvous whose store host 0 serves, or the
+        rendezvous host; ``command`` is what torchrun runs: ``["-m", "module", ...]`` or
+        ``["script.py", ...]``. Without ``elastic``: exactly the bed's hosts, no restart."""
         elastic = elastic or Elastic(min_nodes=self.hosts)
-        conf = ",".join([f"is_host={int(host == 0)}", *elastic.rdzv_conf])
+        serves = host == 0 and not self.rendezvous_namespace
+        conf = ",".join([f"is_host={int(serves)}", *elastic.rdzv_conf])
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", f"{elastic.min_nodes}:{self.hosts}",
                 "--nproc-per-node", str(nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.rendezvous_address}:{port}",
                 "--rdzv-id", run_id, "--rdzv-conf", conf, "--local-addr", self.address(host),
                 "--max-restarts", str(elastic.max_restarts), *command]
 
@@ -324,6 +386,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
     parser.add_argument("--rdzv-conf", default="", help="more torchrun --rdzv-conf settings, e.g. "
                         "last_call_timeout=5,keep_alive_interval=1")
+    parser.add_argument("--rendezvous-host", action="store_true", help="serve torchrun's "
+                        "rendezvous store from a namespace of its own (10.77.0.254), running no "
+                        "ranks, so that host 0 can be lost too (default: host 0's agent serves it)")
     parser.add_argument("--logs", type=Path, default=Path("multihost_logs"))
     parser.add_argument("--clean", action="store_true", help="only remove stale beds and exit")
     args, rest = parser.parse_known_args(argv)
@@ -338,12 +403,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if why:
         print(f"multihost test bed unavailable: {why}", file=sys.stderr)
         return 2
-    with Testbed(args.hosts, Shaping(args.rate, args.delay), args.logs) as bed:
+    with Testbed(args.hosts, Shaping(args.rate, args.delay), args.logs,
+                 rendezvous_host=args.rendezvous_host) as bed:
         for i in range(bed.hosts):
             print(f"host {i}: namespace {bed.namespace(i)}, address {bed.address(i)} "
                   f"(ip netns exec {bed.namespace(i)} bash)")
             if bed.shaping:
                 print("   " + bed.qdiscs(i).strip().replace("\n", "\n   "))
+        if bed.rendezvous_namespace:
+            print(f"rendezvous host: namespace {bed.rendezvous_namespace}, address "
+                  f"{bed.rendezvous_address}, serving torchrun's store on port {RDZV_PORT}")
         elastic = Elastic(args.min_nodes or args.hosts, args.max_restarts,
                           tuple(c for c in args.rdzv_conf.split(",") if c))
         launch = bed.launch(command, args.nproc_per_node, elastic=elastic)

@@ -1,8 +1,9 @@
 """The namespace test bed as pytest fixtures (benchmarks/multihost_testbed.py builds it).
 
-``testbed(hosts, shaping)`` yields a bed that is up, or skips the test with the reason a bed cannot
-be made here (no root, no iproute2, no network namespaces); the bed is taken down, its processes
-ended, however the test ends. ``run_checks(bed, checks, tmp)`` launches tests/multihost_worker.py
+``testbed(hosts, shaping, log_dir, rendezvous_host)`` yields a bed that is up (``rendezvous_host``:
+torchrun's rendezvous store served by a namespace of its own), or skips the test with the reason a
+bed cannot be made here (no root, no iproute2, no network namespaces); the bed is taken down, its
+processes ended, however the test ends. ``run_checks(bed, checks, tmp)`` launches tests/multihost_worker.py
 under torchrun on every host, bounded by ``LAUNCH_TIMEOUT_S``, and returns every rank's result.
 """
 from __future__ import annotations
@@ -22,12 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def testbed(hosts: int = 2, shaping: mt.Shaping = mt.Shaping(), log_dir: Path = None
-            ) -> Iterator[mt.Testbed]:
+def testbed(hosts: int = 2, shaping: mt.Shaping = mt.Shaping(), log_dir: Path = None,
+            rendezvous_host: bool = False) -> Iterator[mt.Testbed]:
     why = mt.unavailable_reason()
     if why:
         pytest.skip(f"multihost test bed unavailable: {why}")
-    with mt.Testbed(hosts, shaping, log_dir) as bed:
+    with mt.Testbed(hosts, shaping, log_dir, rendezvous_host=rendezvous_host) as bed:
         yield bed
 
 

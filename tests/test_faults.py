@@ -6,7 +6,8 @@ The shared rank pool (tests/dist_pool.py) cannot lose a rank, so these tests sta
 ranks per case (tests/fault_ranks.py), with a group timeout of ``TIMEOUT_S``. The victim is rank
 ``VICTIM``; it records when it struck, the survivors record when and what they raised, and every
 process left is killed in teardown. Each case prints its times (``pytest -s`` shows them).
-tests/test_faults_pipeline.py strikes at every moment of a pipeline step.
+tests/test_faults_pipeline.py strikes at every moment of a pipeline step; tests/test_faults_ddp.py
+bounds DDP's waits behind gradient buckets that a peer joined late.
 
 The tests after them use the shared pool: local work that fails on one rank reaches every rank at
 once (the pipeline bench suite without matplotlib included), and the fused kernels' waits and a

@@ -16,11 +16,14 @@ checkpoint on that mesh (2 hosts x 2 ranks, run on the shared rank pool with the
 ``PYFUSED_HOST``). Every checkpoint marked complete holds every byte its DCP metadata names; those
 after the resumed step were written again by the 4 ranks.
 
-Host 0 serves the rendezvous store (``is_host``), as the first node of a c10d rendezvous does; the
-store is not replicated, so losing host 0 ends the job (docs/MULTIHOST.md). A launch costs tens of
-seconds on the 2-core box (9 processes importing torch and transformers, then 4 again), more than
-CI's 25-minute budget leaves, so the cases run with ``PYFUSED_FULL_FAULT_MATRIX=1``: the kill, the
-cut link and the frozen host, the last two waiting out the group timeout. ``pytest -s`` prints the
+In those cases host 0 serves the rendezvous store (``is_host``), as the first node of a c10d
+rendezvous does; the store is not replicated, so losing host 0 would end the job
+(docs/MULTIHOST.md). The ``host0`` case serves the store from the bed's rendezvous host instead (a
+namespace running no ranks, ``rendezvous_host=True``) and kills host 0: the job re-forms on hosts
+1 and 2, its rank 0 now on host 1. A launch costs tens of seconds on the 2-core box (9 processes
+importing torch and transformers, then 4 again), more than CI's 25-minute budget leaves, so the
+cases run with ``PYFUSED_FULL_FAULT_MATRIX=1``: the kill, the cut link and the frozen host (the last
+two waiting out the group timeout) of host 2, and the kill of host 0. ``pytest -s`` prints the
 times.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ pytest.importorskip("transformers", reason="examples/train_llm.py needs transfor
 pytestmark = pytest.mark.slow
 
 TRAIN_LLM = M.REPO / "examples" / "train_llm.py"
-HOSTS, LOST, PER_HOST, TP = 3, 2, 2, 2
+HOSTS, PER_HOST, TP = 3, 2, 2
 STEPS, SAVE_EVERY, STRIKE_AFTER = 30, 2, 5
 GROUP_TIMEOUT_S = 60  # --timeout: also bounds how far apart the ranks may arrive at start-up
 # Tiny on purpose: the time goes into starting processes. The batch splits over dp=3 and dp=2.
@@ -66,22 +69,25 @@ MESH = re.compile(r"^mesh dp=(\d+) x pp=1 x tp=\d+ \(world (\d+).*?(?:starting a
                   r"step (\d+)", re.MULTILINE)
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param("kill", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("case,lost", [
+    pytest.param("kill", 2, id="kill", marks=pytest.mark.skipif(
         not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to kill a host of an elastic 3-host job "
                          "(2-3 minutes on 2 cores: over CI's time budget)")),
-    pytest.param("cut", marks=pytest.mark.skipif(
+    pytest.param("cut", 2, id="cut", marks=pytest.mark.skipif(
         not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to cut a host's link (waits out the "
                          "group timeout)")),
-    pytest.param("freeze", marks=pytest.mark.skipif(
+    pytest.param("freeze", 2, id="freeze", marks=pytest.mark.skipif(
         not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to freeze a host (waits out the group "
                          "timeout)")),
+    pytest.param("kill", 0, id="host0", marks=pytest.mark.skipif(
+        not FULL, reason="set PYFUSED_FULL_FAULT_MATRIX=1 to kill host 0 of an elastic 3-host job "
+                         "whose rendezvous store a host of its own serves")),
 ])
 @pytest.mark.timeout(START_WITHIN_S + RESUME_WITHIN_S + FINISH_WITHIN_S + 300)
-def test_training_survives_losing_a_host(case, tmp_path, ranks):
+def test_training_survives_losing_a_host(case, lost, tmp_path, ranks):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    run = _run_and_strike(case, tmp_path, ckpt, metrics)
-    print(f"\nhost loss ({case}): every surviving host raised PeerFailure "
+    run = _run_and_strike(case, lost, tmp_path, ckpt, metrics)
+    print(f"\nhost loss ({case} host {lost}): every surviving host raised PeerFailure "
           f"{max(run['raised'].values()):.1f} s after the strike; the job resumed at step "
           f"{run['resumed_step']} on {PER_HOST * (HOSTS - 1)} ranks and trained its first step "
           f"{run['resumed_after']:.1f} s after the strike; messages: {run['messages']}")
@@ -102,35 +108,38 @@ def test_training_survives_losing_a_host(case, tmp_path, ranks):
 
 
 # ---- the faulted run -------------------------------------------------------------------------------
-def _run_and_strike(case: str, tmp_path: Path, ckpt: Path, metrics: Path) -> dict:
-    """Train on 3 hosts, strike host ``LOST`` once 3-host training passed ``STRIKE_AFTER`` steps,
-    and follow the survivors until their job finished; every process is ended on the way out."""
+def _run_and_strike(case: str, lost: int, tmp_path: Path, ckpt: Path, metrics: Path) -> dict:
+    """Train on 3 hosts, strike host ``lost`` once 3-host training passed ``STRIKE_AFTER`` steps,
+    and follow the survivors until their job finished; every process is ended on the way out.
+    Losing host 0 needs the rendezvous store on a host of its own."""
     argv = [str(TRAIN_LLM), *TRAIN_ARGS, "--save-every", str(SAVE_EVERY), "--ckpt-dir", str(ckpt),
             "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
     # several agents: each worker group makes its own store (docs/CHECKPOINT.md); the agents log
     # their restarts and rendezvous rounds (torchrun's LOGLEVEL), which a failure's log tails show
     env = dict(M.worker_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")
-    survivors = [h for h in range(HOSTS) if h != LOST]
-    with M.testbed(HOSTS, log_dir=tmp_path) as bed:
+    survivors = [h for h in range(HOSTS) if h != lost]
+    # rank 0 of a round is on the host with the lowest address there (torchrun sorts the nodes)
+    first, first_after = 0, survivors[0]
+    with M.testbed(HOSTS, log_dir=tmp_path, rendezvous_host=lost == 0) as bed:
         launch = bed.launch(argv, nproc_per_node=PER_HOST, env=env, log_dir=tmp_path,
                             elastic=ELASTIC)
-        _wait_for(lambda: _trained_on(launch.logs[0], HOSTS * PER_HOST) >= STRIKE_AFTER,
+        _wait_for(lambda: _trained_on(launch.logs[first], HOSTS * PER_HOST) >= STRIKE_AFTER,
                   START_WITHIN_S, launch, f"the {HOSTS}-host job to train {STRIKE_AFTER} steps")
         marks = [log.stat().st_size for log in launch.logs]
         lines_before = len(metrics.read_text().splitlines())
         struck = time.monotonic()
-        STRIKES[case](bed, LOST)
+        STRIKES[case](bed, lost)
         raised = _wait_for_peer_failures(launch, marks, survivors, struck,
                                          RAISE_WITHIN_S[case] + 60)
         newest_complete = max((_step(d) for d in _complete(ckpt)), default=0)
         smaller = (HOSTS - 1) * PER_HOST
-        _wait_for(lambda: _trained_on(launch.logs[0], smaller) > 0, RESUME_WITHIN_S, launch,
+        _wait_for(lambda: _trained_on(launch.logs[first_after], smaller) > 0, RESUME_WITHIN_S, launch,
                   "first step of the re-formed job")
         resumed_after = time.monotonic() - struck
         codes = launch.wait(FINISH_WITHIN_S, hosts=survivors)
-        bed.kill_host(LOST)  # a cut or frozen host's processes are still there
+        bed.kill_host(lost)  # a cut or frozen host's processes are still there
         assert codes == [0] * len(survivors), f"torchrun exited {codes}\n{launch.tails()}"
-        since = _read(launch.logs[0], marks[0])
+        since = _read(launch.logs[first_after], marks[first_after])
     meshes = MESH.findall(since)
     assert meshes and meshes[-1][:2] == (str(HOSTS - 1), str((HOSTS - 1) * PER_HOST)), meshes
     failure_text = {h: _failure_text(launch.logs[h], marks[h]) for h in survivors}

@@ -99,3 +99,23 @@ def test_stale_beds_are_removed_and_live_ones_kept(bed2):
         mt.ip("netns", "del", stale, check=False)
     assert removed == [stale]
     assert {bed2.namespace(0), bed2.namespace(1), bed2.switch} <= set(mt.namespaces())
+
+
+def _option(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_rendezvous_host_serves_the_store():
+    """By default host 0's agent serves torchrun's rendezvous store; with a rendezvous host every
+    agent joins that host's store (is_host=0), each still giving its own address, which becomes the
+    workers' MASTER_ADDR wherever rank 0 of a round lands. No namespace is made."""
+    by_host0, apart = mt.Testbed(3), mt.Testbed(3, rendezvous_host=True)
+    assert by_host0.rendezvous_namespace is None and apart.rendezvous_namespace.endswith("-rdzv")
+    for host in range(3):
+        argv = by_host0.torchrun_argv(host, ["train.py"])
+        assert _option(argv, "--rdzv-endpoint") == f"{mt.Testbed.address(0)}:{mt.RDZV_PORT}"
+        assert _option(argv, "--rdzv-conf") == f"is_host={int(host == 0)}"
+        argv = apart.torchrun_argv(host, ["train.py"])
+        assert _option(argv, "--rdzv-endpoint") == f"{mt.RENDEZVOUS_ADDRESS}:{mt.RDZV_PORT}"
+        assert _option(argv, "--rdzv-conf") == "is_host=0"
+        assert _option(argv, "--local-addr") == mt.Testbed.address(host)

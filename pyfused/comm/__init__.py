@@ -1,7 +1,14 @@
 """Process groups, comm streams, cross-rank validation and agreement (see docs/ARCHITECTURE.md)."""
 from .agreement import LocalWorkError, agree_on, agree_on_local_work
 from .collectives import all_gather_single, reduce_scatter_single
-from .faults import PeerFailure, failures_named, group_timeout, inherit_default_timeout, names_failures
+from .faults import (
+    PeerFailure,
+    failures_named,
+    group_timeout,
+    inherit_default_timeout,
+    names_failures,
+    wait_bounded,
+)
 from .flags import ExtensionUnavailable, new_flags, signal_flag, wait_flag
 from .group import (
     LOCAL,
@@ -43,5 +50,5 @@ __all__ = [
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
     "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
     "set_validation", "validation_enabled", "validation_mode", "VALIDATION_MODES", "forget_seen",
-    "world_size",
+    "wait_bounded", "world_size",
 ]

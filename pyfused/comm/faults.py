@@ -17,8 +17,8 @@ collective; docs/FAULTS.md); the message is built only when something failed.
 The other half, ranks agreeing on what happened on each of them (an error met on one rank alone,
 so that the others raise at once instead of at their next collective's timeout), is
 ``pyfused.comm.agreement``. ``inherit_default_timeout`` gives a DeviceMesh's groups the default
-group's timeout, and ``transfer_timeout`` is what a p2p ``Work.wait`` must be given for that
-timeout to bound it.
+group's timeout, ``transfer_timeout`` is what a ``Work.wait`` must be given for that timeout to
+bound it, and ``wait_bounded`` waits so.
 
 ``fault_point(name)`` marks a moment of an operation (``"pipeline.recv:before"``...) at which a test
 can make this process kill or stop itself (``strike_at``), so that a fault test hits the same
@@ -85,18 +85,35 @@ def group_timeout(pg: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelt
 
 
 def transfer_timeout(pg: Optional[dist.ProcessGroup], device: torch.device) -> datetime.timedelta:
-    """What to pass to ``Work.wait(timeout)`` of a p2p transfer on ``pg``: the group's timeout on a
-    CPU backend; ``timedelta(0)`` (no timeout of the wait's own) on CUDA.
+    """What to pass to ``Work.wait(timeout)`` of a transfer or an asynchronous collective on ``pg``:
+    the group's timeout on a CPU backend; ``timedelta(0)`` (no timeout of the wait's own) on CUDA.
 
-    gloo bounds a collective by the group's current timeout, but a send or receive waited without a
-    timeout by the timeout the group was *created* with: one changed later by
-    ``torch.distributed.set_timeout`` -- as ``inherit_default_timeout`` changes a DeviceMesh's
-    30-minute groups -- is ignored, and a frozen peer holds the wait that long. A timeout passed to
-    the wait bounds it. On CUDA a wait with a timeout would block the host until the transfer ends;
-    NCCL's watchdog bounds it there instead (docs/FAULTS.md)."""
+    gloo's own clocks do not bound such waits by the group's timeout counted from the wait:
+
+    * a send or receive waited without a timeout is bounded by the timeout the group was *created*
+      with: one changed later by ``torch.distributed.set_timeout`` -- as ``inherit_default_timeout``
+      changes a DeviceMesh's 30-minute groups -- is ignored, and a frozen peer holds the wait that
+      long;
+    * a collective's clock starts when one of the group's worker threads (two by default) picks it
+      up, so a collective queued behind others that a slow peer joins late -- DDP's status
+      exchange behind its gradient buckets -- times out that much later.
+
+    A timeout passed to the wait bounds it from the wait's start, as NCCL's watchdog times every
+    collective from its launch. On CUDA a wait with a timeout would block the host until the work
+    ends; NCCL's watchdog bounds it there instead (docs/FAULTS.md)."""
     if device.type != "cpu":
         return datetime.timedelta(0)
     return group_timeout(pg) or datetime.timedelta(0)
+
+
+def wait_bounded(work, pg: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """``work.wait()``, at most the group's timeout from now on a CPU backend (``transfer_timeout``
+    says why); past it gloo raises ``RuntimeError: Operation timed out!``, which ``failures_named``
+    turns into ``PeerFailure``. ``work``: a ``torch.distributed.Work``, or any handle whose ``wait``
+    takes a timeout. ``Work.wait(timeout)`` costs what ``wait()`` costs; reading the group's
+    timeout adds a few microseconds, so a caller waiting on many works reads it once
+    (``transfer_timeout``) and passes it to each."""
+    work.wait(transfer_timeout(pg, device))
 
 
 def is_comm_failure(e: BaseException) -> bool:

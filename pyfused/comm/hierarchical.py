@@ -34,15 +34,19 @@ buffer's length must be a multiple of L (``padded_length``).
 time by ``step()``: each waits for the previous one, then starts the next. Callers that keep
 several in flight must advance them at the same points on every rank, oldest first, so that every
 group sees its transfers in the same order on every rank: ``PipelinedHostAllReduce`` does that.
+Each wait for a step is bounded by the timeout of that step's group, counted from the wait
+(``faults.wait_bounded``), so a frozen peer cannot hold a step longer than its group says.
 """
 from __future__ import annotations
 
+import datetime
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_single, reduce_scatter_single
+from .faults import wait_bounded
 from .topology import MESH_DIMS
 
 # The steps of one host-aware all-reduce, in order.
@@ -64,9 +68,9 @@ class _Transfers:
         self.works = works
         self.then = then
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> None:
         for work in self.works:
-            work.wait()
+            work.wait(timeout)
         if self.then is not None:
             self.then()
 
@@ -89,7 +93,8 @@ class HostAllReduceWork:
         """Wait for the step in flight and launch the next one (nothing once done)."""
         if self.done:
             return
-        self.work.wait()
+        owner = self.owner
+        wait_bounded(self.work, owner.inter if self.stage == 1 else owner.intra, self.buf.device)
         self.stage += 1
         if self.stage == 1:
             self.work = dist.all_reduce(self.piece, group=self.owner.inter, async_op=True)

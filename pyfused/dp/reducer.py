@@ -27,7 +27,11 @@ Design (after torch DDP's C++ reducer; see docs/DDP.md):
   vector (missing gradients, hooks fired twice, "used" flags) is all-reduced asynchronously right
   after the last bucket's launch -- when every parameter is ready, so the status is complete -- and
   read here. Problems are raised here, with the same message on every rank, after the group is
-  back in a consistent state -- never as a hang.
+  back in a consistent state -- never as a hang. On a CPU backend each of these waits is bounded by
+  the group's timeout counted from the wait (``comm.faults.transfer_timeout``, read once per
+  backward), as NCCL's watchdog times a collective from its launch: gloo starts a collective's
+  own clock only when a worker thread picks it up, so one queued behind buckets that a peer
+  joined late would otherwise time out that much later.
 
 Unused parameters. With ``find_unused_parameters=True`` the forward's autograd graph is walked from
 its outputs; parameters it does not reach are marked ready when backward starts (their bucket slots
@@ -48,6 +52,7 @@ optimizer, whose state is laid out by bucket.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Callable, List, Optional, Sequence
 
@@ -59,6 +64,7 @@ from torch.utils._pytree import tree_leaves
 from .. import comm
 from .._logging import logger
 from ..comm import InputError
+from ..comm.faults import transfer_timeout
 from ..comm.hierarchical import HostAllReduce, PipelinedHostAllReduce
 from . import bucket_copy, buckets as _buckets, shard_comm
 from .buckets import Bucket
@@ -410,9 +416,10 @@ class Reducer:
                 self.missing = [i for i in range(len(self.params)) if not self.ready[i]]
                 for i in self.missing:
                     self._mark_ready(i)
-                global_used, problem = self.status.read(self.dups)
+                timeout = transfer_timeout(self.pg, self.device)  # read once per backward
+                global_used, problem = self.status.read(self.dups, timeout)
                 for b in self.buckets:
-                    self._complete(b, global_used)
+                    self._complete(b, global_used, timeout)
                 if self.on_all_reduced is not None and not problem:
                     self.on_all_reduced()
                 if self.rebuild_caps is not None and not problem:
@@ -427,9 +434,12 @@ class Reducer:
         local_missing = [] if self.find_unused else self.missing
         self.status.launch(local_missing, self.dups, self.used if self.find_unused else None)
 
-    def _complete(self, b: Bucket, global_used: Optional[List[int]]) -> None:
-        if b.work is not None:
-            b.work.wait()
+    def _complete(self, b: Bucket, global_used: Optional[List[int]],
+                  timeout: datetime.timedelta) -> None:
+        if b.work is not None and self.host_reduce is not None:
+            b.work.wait()  # each step bounded by its own group's timeout (comm/hierarchical.py)
+        elif b.work is not None:
+            b.work.wait(timeout)
         b.work = None
         unused = set()
         if global_used is not None:

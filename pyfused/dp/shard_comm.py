@@ -3,7 +3,7 @@
 ``reduce_scatter(shard_out, full, pg)``: ``shard_out`` <- this rank's ``shard``-long chunk of the sum
 over ranks of ``full``. ``all_gather_in_place(full, shard, pg)``: every rank's chunk of ``full``
 (chunk r = ``full[r * shard : (r + 1) * shard]``) <- rank r's chunk. Both are asynchronous and
-return a handle with ``wait()`` and ``is_completed()``.
+return a handle with ``wait(timeout)`` and ``is_completed()``, as ``torch.distributed.Work``.
 
 On CUDA tensors (NCCL) they are ``reduce_scatter_single`` and ``all_gather_single``. On CPU tensors
 (gloo) they are an all-reduce of ``full`` in place, whose chunk is then copied into ``shard_out``,
@@ -23,6 +23,7 @@ the same order, so ranks that agree on the call agree on the collectives.
 """
 from __future__ import annotations
 
+import datetime
 from typing import List, Optional
 
 import torch
@@ -42,9 +43,10 @@ class _Works:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Wait for every work, each at most ``timeout`` (0: no timeout of the wait's own)."""
         for w in self.works:
-            w.wait()
+            w.wait(timeout)
         if self.then is not None:
             dst, src = self.then
             self.then = None

@@ -246,13 +246,13 @@ class ShardedState:
                     work = self.pending.pop(k, None)
                     if work is not None:
                         with comm.failures_named(GATHER, self.pg, ("bucket", k)):
-                            work.wait()
+                            comm.wait_bounded(work, self.pg, self.device)
         return hook
 
     def wait_all(self) -> None:
         for k in list(self.pending):
             with comm.failures_named(GATHER, self.pg, ("bucket", k)):
-                self.pending.pop(k).wait()
+                comm.wait_bounded(self.pending.pop(k), self.pg, self.device)
 
     @torch.no_grad()
     def refresh_masters(self) -> None:

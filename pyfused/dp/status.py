@@ -4,13 +4,16 @@ Once the last bucket is launched every parameter is ready, so the iteration's st
 how many gradients never arrived (an error without ``find_unused_parameters``), how many arrived
 twice, and -- with ``find_unused_parameters`` -- which parameters were used. ``launch`` starts its
 all-reduce then, asynchronously behind the last bucket, so its latency hides behind the buckets
-still in flight; ``read`` (end of backward) waits for it. Only when something is wrong does a
+still in flight; ``read`` (end of backward) waits for it, at most the group's timeout on a CPU
+backend (``comm.faults.transfer_timeout``: gloo would start the all-reduce's own clock only once
+its worker threads are done with the buckets queued before it). Only when something is wrong does a
 second, synchronous agreement (``comm.agree_on``) name the parameters and ranks, so that every
 rank raises the same message. Without ``find_unused_parameters`` and with validation off
 (``pyfused.comm.set_validation(False)``) nothing is exchanged and errors stay local, as in torch.
 """
 from __future__ import annotations
 
+import datetime
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -43,15 +46,17 @@ class StatusExchange:
                 work = dist.all_reduce(t, group=self.pg, async_op=True)
         self._pending = (t, work)
 
-    def read(self, dups_now: List[int]) -> Tuple[Optional[List[int]], Optional[str]]:
+    def read(self, dups_now: List[int], timeout: datetime.timedelta
+             ) -> Tuple[Optional[List[int]], Optional[str]]:
         """(per-parameter count of ranks that used it, or None; error message or None), the same
         on every rank -- except for a gradient that arrived twice after ``launch`` (a reentrant
-        backward), which only its own rank can know."""
+        backward), which only its own rank can know. ``timeout``: what bounds the wait for the
+        all-reduce (``comm.faults.transfer_timeout``; 0: no bound of the wait's own)."""
         n = len(self.names)
         t, work = self._pending
         self._pending = None
         if work is not None:
-            work.wait()
+            work.wait(timeout)
         vec = t.cpu().tolist()
         status, used_counts = vec[:2], (vec[2:] if self.find_unused else None)
         missing, dups = self._sent
