@@ -14,9 +14,10 @@ rank.
 
 Grids are cut to what covers each path once (each body loops over its families, so a pool and the
 transformers import are paid once per world size): ep=2 for the six families, ep=3 (odd),
-dp=2 x ep=2 with dp="ddp" and with dp="fsdp", pp=2 x ep=2, ep=2 x tp=2 with sequence
-parallelism; PYFUSED_FULL_MOE_MATRIX=1 adds ep=4 (one expert per rank), ep=2 with dp="fsdp" and no
-dp dim, tp without sequence parallelism and a second family where a body has one.
+dp=2 x ep=2 with dp="ddp" and with dp="fsdp", pp=2 x ep=2 with dp="ddp" and with dp="fsdp",
+ep=2 x tp=2 with sequence parallelism; PYFUSED_FULL_MOE_MATRIX=1 adds ep=4 (one expert per rank),
+ep=2 with dp="fsdp" and no dp dim, dp=2 x pp=2 x ep=2 with dp="fsdp", tp without sequence
+parallelism and a second family where a body has one.
 """
 import pytest
 import torch
@@ -110,6 +111,17 @@ def test_ep_within_pipeline_stages(ranks):
     assert all(ranks.run(4, _train, ("qwen2_moe",), ("pp", "ep"), (2, 2), timeout=TIMEOUT))
 
 
+def test_fully_sharded_pipeline_stages_with_ep(ranks):
+    """pp=2 x ep=2 with dp="fsdp": each stage's experts units of their own (over no dp dim: whole
+    on each rank), the rest of the stage sharded over its ep ranks, the microbatches' gradients
+    reduce-scattered once per step."""
+    assert all(ranks.run(4, _train, ("mixtral",), ("pp", "ep"), (2, 2), dp="fsdp",
+                         timeout=TIMEOUT))
+    if moe_checks.FULL_MATRIX:  # a dp dim too: the experts sharded over dp, the rest over dp x ep
+        assert all(ranks.run(8, _train, ("qwen3_moe",), ("dp", "pp", "ep"), (2, 2, 2),
+                             dp="fsdp", timeout=2 * TIMEOUT))
+
+
 @pytest.mark.parametrize("sp", moe_checks.grid([True, False], [True]))
 def test_ep_with_tp_for_attention(ranks, sp):
     assert all(ranks.run(4, _train, moe_checks.grid(("mixtral", "qwen3_moe"), ("qwen3_moe",)),
@@ -143,8 +155,8 @@ REFUSED = {  # case: (family, dims, shape, experts, dp, text)
     "no experts": ("llama", ("ep",), (2,), 4, "ddp", "the plan names no experts module"),
     "indivisible": ("mixtral", ("ep",), (3,), 4, "ddp", "4 experts are not divisible by the "
                     "expert-"),
-    "with pp and fsdp": ("mixtral", ("pp", "ep"), (2, 2), 4, "fsdp", "composes with dp='ddp' "
-                         "only; got dp='fsdp'"),
+    "with hsdp": ("mixtral", ("dp_replicate", "dp_shard", "ep"), (1, 2, 2), 4, "hsdp",
+                  "expert parallelism (ep > 1) with dp='hsdp' is not supported"),
 }
 
 

@@ -139,9 +139,9 @@ class ParallelModel(nn.Module):
         shard_dim = "dp_shard" if data_parallel == "hsdp" else "dp"
         sharded = data_parallel != "ddp" and info.size[shard_dim] > 1
         shard_group = info.group[shard_dim] if sharded else None
-        ep_sharded = data_parallel == "fsdp" and info.size["ep"] > 1 and stage is None
+        ep_sharded = data_parallel == "fsdp" and info.size["ep"] > 1
         if ep_sharded:
-            shard_group = fsdp_mesh(info).get_group()
+            shard_group = fsdp_mesh(info).get_group() if stage is None else stage.shard_group
         if data_parallel == "fsdp" and context is not None and context.size > 1:
             shard_group = context.replicas
         object.__setattr__(self, "_dp_shard_group", shard_group)

@@ -21,7 +21,7 @@ all-to-all runs among the ranks of the same tp coordinate.
 
 ``check`` (local, no communication): the plan has experts when ep > 1, each divisible by ep; no
 HSDP with ep > 1; with a pipeline (pp > 1, where ``pipeline.py`` applies the same steps to its
-stage) dp="ddp" only and no ``output_router_logits`` (the pipeline's loss has no auxiliary term).
+stage, dp="ddp" or "fsdp") no ``output_router_logits`` (the pipeline's loss has no auxiliary term).
 ``apply`` replaces the modules and records each expert parameter's ``ShardSpec`` (dim 0 over the
 ep group), so that ``full_state_dict``, ``clip_grad_norm_`` and DCP checkpoints see the original
 tensors; ``average_gradients`` installs the hooks, after tensor parallelism
@@ -55,9 +55,6 @@ def check(model: nn.Module, resolved: ResolvedPlan, ep: int, pp: int, dp: str) -
     if not names:
         return (f"the mesh has an ep dim of size {ep}, but the plan names no experts module "
                 f"(style 'experts'): the model has no mixture-of-experts layer pyfused can shard")
-    if pp > 1 and dp != "ddp":
-        return (f"expert parallelism (ep > 1) with pipeline parallelism (pp > 1) composes with "
-                f"dp='ddp' only; got dp={dp!r}")
     if pp > 1 and getattr(getattr(model, "config", None), "output_router_logits", False):
         return ("expert parallelism with pipeline parallelism (pp > 1): the config sets "
                 "output_router_logits, whose auxiliary loss the pipeline's loss (the language-"

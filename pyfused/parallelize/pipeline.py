@@ -176,7 +176,9 @@ class PipelinedModel:
                      tp.param_specs)
         if tp.world > 1:
             tp.apply(model, resolved, install_region=False)
-        ep_mod.average_gradients(model, info.group["ep"], ep, replicated_by_fsdp=False)
+        # with ep > 1 fully_shard runs over every data rank (dp x ep) even without a dp dim
+        fully_sharded = data_parallel == "fsdp" and (data_mesh is not None or ep > 1)
+        ep_mod.average_gradients(model, info.group["ep"], ep, replicated_by_fsdp=fully_sharded)
         self.parts.blocks = list(self.parts.base._modules[self.parts.attr])  # now TP-sharded
         if context is not None:  # after the cut: its profiling runs no cp collective
             context.install(model)
@@ -184,10 +186,15 @@ class PipelinedModel:
         tp.install_sequence_region([self.parts.blocks[i] for i in blocks_here])
         self.submodule = self._stage_module(n)
 
-        self.ddp, runner, self.dp_shards = None, self.submodule, None
-        if data_mesh is not None and data_parallel == "fsdp":
+        # the group over which fully_shard cut this stage's parameters (None: not sharded)
+        self.ddp, runner, self.dp_shards, self.shard_group = None, self.submodule, None, None
+        if fully_sharded:
+            if ep > 1:  # the experts units of their own over dp, the rest over dp x ep (moe.py)
+                ep_mod.shard_experts(model, ep_mod.experts_mesh(info.mesh), tp.param_specs)
+                data_mesh = ep_mod.data_mesh(info.mesh, info.size["dp"])
             # (world, rank) of the data-parallel shards
             self.dp_shards = (data_mesh.size(), data_mesh.get_local_rank())
+            self.shard_group = data_mesh.get_group()
             fsdp_compose.shard_model(model, None, data_mesh, tp.param_specs,
                                      root=self.submodule,
                                      blocks=[self.parts.blocks[i] for i in blocks_here])
