@@ -125,7 +125,7 @@ def test_auto_overlaps_large_experts_only(monkeypatch):
     import importlib
 
     module = importlib.import_module("pyfused.ops.moe_dispatch")  # the module, not the function
-    small, big = torch.empty(2, 8, 8), torch.empty(2, 256, 512)
+    small, big = torch.empty(2, 256, 1024), torch.empty(2, 512, 1024)
     assert module.auto_preference(None, (None, None, big), False).method == "unfused"  # one rank
     two_ranks = object()
     monkeypatch.setattr(module.comm, "world_size", lambda pg: 2 if pg is two_ranks else 1)

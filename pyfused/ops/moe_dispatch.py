@@ -49,9 +49,10 @@ INPUTS = ("x", "topk_idx", "weight")
 _ABSENT = torch.empty(0)  # stands for an absent weight in the call's signature (options say so)
 
 # Below this many elements in each expert's weight (H x N) the per-peer messages of the
-# decomposed method are taken to cost more than the overlap saves; ``auto`` keeps unfused there.
-# docs/MOE.md ("Per-call overhead") says what the CPU value rests on.
-DECOMPOSE_MIN_WEIGHT = {"cpu": 256 * 512, "cuda": 2048 * 4096}
+# decomposed method cost more than the overlap saves; ``auto`` keeps unfused there. The CPU value
+# rests on the moe suite's runs on one host and across two (docs/PERF.md, "Mixture of experts"):
+# experts of 256 x 512 and 256 x 1024 lost with decomposed on both, 512 x 1024 and up tied or won.
+DECOMPOSE_MIN_WEIGHT = {"cpu": 512 * 1024, "cuda": 2048 * 4096}
 
 
 # ---------------------------------------------------------------------------------------------
