@@ -137,3 +137,31 @@ def test_bad_layer_arguments_fail_on_every_rank(ranks, kind):
     expected = {"indivisible": "must be divisible", "differs": "differs between ranks",
                 "input": "differs between ranks"}[kind]
     assert expected in msgs[0], msgs[0]
+
+
+def _weight_grads_arrive_contiguous(rank, world, sp):
+    """Each layer's weight gradient as autograd hands it to the weight (a hook sees it before it
+    is accumulated): contiguous, like the [N, K] weight -- no copy into ``weight.grad``."""
+    from pyfused.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    ffn, seq = 6 * world, 4 * world
+    col = ColumnParallelLinear.from_linear(nn.Linear(HIDDEN, ffn), sequence_parallel=sp,
+                                           overlap="unfused")
+    row = RowParallelLinear.from_linear(nn.Linear(ffn, HIDDEN), sequence_parallel=sp,
+                                        overlap="unfused")
+    arrived = {}
+    for name, layer in (("column", col), ("row", row)):
+        layer.weight.register_hook(lambda g, name=name: arrived.setdefault(name, g))
+    x = torch.randn(seq // world if sp else seq, 2, HIDDEN, requires_grad=True)
+    row(F.gelu(col(x))).sum().backward()
+    return {name: (tuple(g.shape), g.is_contiguous()) for name, g in arrived.items()}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_weight_gradients_arrive_in_the_weights_layout(ranks, sp):
+    """The GEMM ops take a layer's weight as ``weight.t()``; their ``b`` gradient comes back laid
+    out as that view, so the weight receives a contiguous gradient (as torch's own linear layers
+    give it) instead of a transposed one that autograd must copy."""
+    for got in ranks.run(2, _weight_grads_arrive_contiguous, sp):
+        assert all(contiguous for _, contiguous in got.values()) and len(got) == 2, got

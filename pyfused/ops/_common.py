@@ -439,3 +439,14 @@ def _fused_kernel_exists(op: str) -> bool:
     from . import _fused
 
     return _fused.status(op)[0]
+
+
+def weight_grad(a: torch.Tensor, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a^T @ grad``, the gradient of ``b`` in ``a @ b``, laid out as ``b`` is. A layer passes
+    its [N, K] weight as ``b = weight.t()``, a column-major view; a row-major gradient of that view
+    would reach the weight as a transposed, non-contiguous tensor, which autograd then copies
+    whole into ``weight.grad``. Computed as ``(grad^T @ a)^T`` it arrives contiguous, as torch's
+    own ``mm`` backward lays it out; one GEMM either way."""
+    if b.dim() == 2 and b.stride(0) == 1 and b.stride(1) == b.shape[0] and b.shape[1] > 1:
+        return (grad.t() @ a).t()
+    return a.t() @ grad

@@ -134,7 +134,7 @@ def _backward(ctx, grad_out, _grad_gathered):
         method = _common.backward_method(ctx.method, "matmul_reduce_scatter")
         grad_a = torch.ops.pyfused.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, method)
     if ctx.needs_input_grad[1]:
-        grad_b = gathered.t() @ grad_out
+        grad_b = _common.weight_grad(gathered, grad_out, b)
     return grad_a, grad_b, None, None, None
 
 

@@ -96,7 +96,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     grad_a = grad_out @ b.t() if ctx.needs_input_grad[0] else None
-    grad_b = a.t() @ grad_out if ctx.needs_input_grad[1] else None
+    grad_b = _common.weight_grad(a, grad_out, b) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None, None
 
 

@@ -115,7 +115,7 @@ def _backward(ctx, grad_out):
     # The all-gather of grad_out is needed for grad_a's GEMM and kept for grad_b's.
     grad_a, gathered = torch.ops.pyfused.all_gather_matmul(grad_out, b.t(), ctx.group_name, method,
                                                            need_b)
-    grad_b = a.t() @ gathered if need_b else None
+    grad_b = _common.weight_grad(a, gathered, b) if need_b else None
     return (grad_a if need_a else None), grad_b, None, None
 
 
