@@ -16,8 +16,7 @@ e // E_l as its local expert e % E_l. On a source rank, T tokens each chose k ex
 ``layout[s, j]`` rows from source s for local expert j. ``route`` builds it with one fixed-size
 all-to-all of the per-expert counts (each rank also sends the number of its ``topk_idx`` values out
 of range, so that every rank raises the same error before any row moves), then reads the counts on
-the
-host: the one host synchronization of ``moe_dispatch`` (on a GPU; none on CPU). ``route``
+the host: the one host synchronization of ``moe_dispatch`` (on a GPU; none on CPU). ``route``
 remembers the routing by the ``layout`` tensor it returns (``known_routing``), so that
 ``moe_combine`` and both backward passes, given that layout and the same ``topk_idx``, take the
 routing -- the host counts included -- without reading the device again; a layout they did not get
