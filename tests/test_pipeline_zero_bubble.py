@@ -46,7 +46,13 @@ from pyfused.pipeline.plan import (
     simulate,
 )
 from pyfused.pipeline.split_backward import backward_input, backward_weight
-from pyfused.pipeline.zero_bubble import unit_bubble, zero_bubble_orders
+from pyfused.pipeline.zero_bubble import (
+    fixed_policy,
+    list_schedule,
+    unit_bubble,
+    unit_cost,
+    zero_bubble_orders,
+)
 from tests.test_pipeline import build_model
 from tests.utils import assert_close
 
@@ -173,6 +179,48 @@ def test_promised_bubbles():
                 assert izb < unit_bubble(inter, p, 2 * p, False, False)
 
 
+def _torch_dualpipev_order(rank, p, m):
+    """torch's ScheduleDualPipeV order of ``rank`` in pyfused's actions: a full backward is a B
+    directly followed by its W, an overlapped pair its two actions in sequence."""
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = ts._ComputationType
+    shell = type("Shell", (), {"pp_group_size": p, "_n_microbatches": m})()
+    out = []
+
+    def add(a):
+        if a.computation_type == kinds.OVERLAP_F_B:
+            for sub in a.sub_actions:
+                add(sub)
+        elif a.computation_type == kinds.FULL_BACKWARD:
+            out.extend([Action(BACKWARD, a.stage_index, a.microbatch_index),
+                        Action(WEIGHT, a.stage_index, a.microbatch_index)])
+        else:
+            op = {kinds.FORWARD: FORWARD, kinds.BACKWARD_INPUT: BACKWARD,
+                  kinds.BACKWARD_WEIGHT: WEIGHT}[a.computation_type]
+            out.append(Action(op, a.stage_index, a.microbatch_index))
+
+    for a in ts.ScheduleDualPipeV._calculate_single_rank_operations(shell, rank):
+        if a is not None:
+            add(a)
+    return out
+
+
+def test_dualpipev_order_matches_torch():
+    """With m >= 2p (torch's minimum) the fixed DualPipeV order is torch's (uses a method of
+    torch's class, so a torch upgrade that changes it shows here); it promises the bubble of the
+    list scheduler's order, which runs the smaller m."""
+    for p in (1, 2, 3, 4):
+        for m in (2 * p, 2 * p + 1, 12):
+            ours = zero_bubble_orders("dualpipev", p, 2, m, True)
+            for rank in range(p):
+                assert list(ours[rank]) == _torch_dualpipev_order(rank, p, m), (p, m, rank)
+            listed = list_schedule(p, 2, m, True, True, fixed_policy("dualpipev", p, 2, m),
+                                   unit_cost)
+            assert unit_bubble(ours, p, 2 * p, True, True) == pytest.approx(
+                unit_bubble(listed, p, 2 * p, True, True)), (p, m)
+
+
 def test_zbh1_memory_bound():
     p, m = 4, 12
     for rank in range(p):
@@ -290,7 +338,8 @@ def test_matches_unsplit_training(ranks, schedule, world, v, m, rows):
 
 
 LOCKSTEP_CASES = [("1f1b", 2, 1, 3, 8), ("interleaved", 2, 2, 4, 10), ("zbh1", 3, 1, 3, 10),
-                  ("interleaved_zb", 3, 2, 6, 13), ("zbv", 2, 2, 5, 11), ("dualpipev", 3, 2, 4, 9)]
+                  ("interleaved_zb", 3, 2, 6, 13), ("zbv", 2, 2, 5, 11), ("dualpipev", 3, 2, 4, 9),
+                  ("dualpipev", 2, 2, 5, 11)]
 
 
 @pytest.mark.parametrize("schedule,world,v,m,rows", LOCKSTEP_CASES,

@@ -106,8 +106,68 @@ def unit_cost(a: Action) -> float:
 def zero_bubble_orders(schedule: str, p: int, v: int, m: int, backward: bool
                        ) -> Dict[int, Tuple[Action, ...]]:
     """Every rank's fixed order for one of ``SPLIT_BACKWARD`` (see the module docstring)."""
+    if schedule == "dualpipev" and backward and m >= 2 * p:
+        return {r: dualpipev_order(r, p, m) for r in range(p)}
     policy = fixed_policy(schedule, p, v, m)
     return list_schedule(p, v, m, schedule in V_SHAPED, backward, policy, unit_cost)
+
+
+def dualpipev_order(rank: int, p: int, m: int) -> Tuple[Action, ...]:
+    """DeepSeek-V3's DualPipe folded onto a V, in the phases torch's ``ScheduleDualPipeV`` uses
+    (``m >= 2p``). Rank ``r`` holds ``down`` = stage ``r`` and ``up`` = stage ``2p-1-r``. A *whole*
+    backward is a B directly followed by its own W (the executor runs the pair as one unsplit
+    backward); W's are deferred only where they fill the drain:
+
+      1. ``2(p-1-r)`` forwards of ``down``;
+      2. ``r+1`` times: a forward of ``down``, a forward of ``up``;
+      3. ``p-1-r`` times: a whole backward of ``up``, a forward of ``up``;
+      4. the steady state, ``m-2p+r+1`` times: F ``down`` + whole backward ``up``, then
+         F ``up`` + whole backward ``down`` (DualPipe's overlapped forward-backward pairs);
+      5. ``p-1-r`` times: a whole backward of ``up``, F ``up``, a whole backward of ``down``;
+      6. ``r+1`` times: a backward of ``up``, a backward of ``down``; the first ``r+1`` of these
+         backwards whole, the rest B only (their W's wait);
+      7. ``p-1-r`` times: the oldest waiting W, a B of ``down``;
+      8. the waiting W's.
+    With unit costs its bubble equals the list scheduler's DualPipeV order (tested)."""
+    down, up = rank, 2 * p - 1 - rank
+    forwards = {down: 0, up: 0}
+    backwards = {down: 0, up: 0}
+    waiting: List[Action] = []
+    order: List[Action] = []
+
+    def forward(stage: int) -> None:
+        order.append(Action(FORWARD, stage, forwards[stage]))
+        forwards[stage] += 1
+
+    def backward(stage: int, whole: bool) -> None:
+        mb = backwards[stage]
+        backwards[stage] += 1
+        order.append(Action(BACKWARD, stage, mb))
+        (order if whole else waiting).append(Action(WEIGHT, stage, mb))
+
+    for _ in range(2 * (p - 1 - rank)):
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(p - 1 - rank):
+        backward(up, True)
+        forward(up)
+    for _ in range(m - 2 * p + rank + 1):
+        forward(down)
+        backward(up, True)
+        forward(up)
+        backward(down, True)
+    for _ in range(p - 1 - rank):
+        backward(up, True)
+        forward(up)
+        backward(down, True)
+    for i in range(2 * (rank + 1)):
+        backward(up if i % 2 == 0 else down, i < rank + 1)
+    for _ in range(p - 1 - rank):
+        order.append(waiting.pop(0))
+        backward(down, False)
+    return tuple(order + waiting)
 
 
 def list_schedule(p: int, v: int, m: int, v_shaped: bool, backward: bool, policy: Policy,
