@@ -337,6 +337,43 @@ def test_matches_unsplit_training(ranks, schedule, world, v, m, rows):
     assert all(ranks.run(world, train_and_compare, schedule, v, m, rows, timeout=TIMEOUT))
 
 
+def count_split_backwards(rank, world, m, rows):
+    """One DualPipeV step: how many B's ran split (B alone, W later), and how many the order has
+    that are not directly followed by their own W."""
+    from pyfused.pipeline import stage as stage_module
+
+    model = build_model("mlp")
+    n_stages = 2 * world
+    mine = sorted(local_stages(rank, world, 2, True))
+    mods, _ = split(model, n_stages, split_points=even_starts(len(layer_units(model)), n_stages))
+    sched = ScheduleDualPipeV([PipelineStage(mods[s], s, n_stages, "cpu") for s in mine], m,
+                              nn.MSELoss())
+    calls = []
+    split_b = stage_module.backward_input
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return split_b(*args, **kwargs)
+
+    stage_module.backward_input = counting
+    try:
+        x, y = batch(0, rows)
+        sched.step(*((x,) if 0 in mine else ()), target=y if n_stages - 1 in mine else None)
+    finally:
+        stage_module.backward_input = split_b
+    order = sched.orders[rank]
+    alone = sum(1 for a, nxt in zip(order, order[1:] + [None]) if a.op == BACKWARD
+                and nxt != Action(WEIGHT, a.stage, a.mb))
+    return len(calls), alone, sum(1 for a in order if a.op == BACKWARD)
+
+
+def test_whole_backwards_run_as_one_pass(ranks):
+    """A B directly followed by its own W (DualPipeV's steady state) runs as one unsplit
+    backward: only the other B's go through the split (gradients: test_matches_unsplit_training)."""
+    for split_calls, alone, total in ranks.run(2, count_split_backwards, 5, 10, timeout=TIMEOUT):
+        assert split_calls == alone < total
+
+
 LOCKSTEP_CASES = [("1f1b", 2, 1, 3, 8), ("interleaved", 2, 2, 4, 10), ("zbh1", 3, 1, 3, 10),
                   ("interleaved_zb", 3, 2, 6, 13), ("zbv", 2, 2, 5, 11), ("dualpipev", 3, 2, 4, 9),
                   ("dualpipev", 2, 2, 5, 11)]
