@@ -28,6 +28,9 @@ memory bound and pairing:
                             together run as one pair
   ============== ========== ============================================ ==========================
 
+DualPipeV with ``m >= 2p`` takes torch's order instead (``dualpipev_order``: whole backwards in
+its steady state, W's deferred for the drain), whose unit-model bubble is the list scheduler's.
+
 The orders are static (every rank computes all of them from ``(schedule, p, v, m)``); the unit model
 only decides them. ``plan.simulate`` then proves the transfer plan deadlock-free, and
 ``unit_bubble`` replays any order on the unit model to give the bubble it promises (the tests compare
