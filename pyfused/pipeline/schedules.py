@@ -418,7 +418,8 @@ class ScheduleInterleavedZeroBubble(_MultiStageSchedule):
 class ScheduleZBVZeroBubble(_MultiStageSchedule):
     """ZB-V: exactly two stages per rank in a V (rank r holds stages r and 2p-1-r, so the first and
     the last stage, with the loss, are on rank 0), split backward; activation memory bounded by
-    1F1B's (2p half-stage microbatches per rank)."""
+    1F1B's (2p half-stage microbatches per rank). With at least as many microbatches as stages
+    torch's order, whose steady state runs whole backwards (B with its W, one autograd pass)."""
     _schedule = "zbv"
 
 
