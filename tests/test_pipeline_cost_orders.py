@@ -148,10 +148,11 @@ def test_reserving_room_keeps_the_scheduler_moving():
 
 
 def test_unequal_costs_shorten_the_v_schedules():
-    """W cheap against B, a first stage without B, a heavy last stage: the cost orders of ZBV
-    and DualPipeV are predicted shorter than the fixed ones, and equal costs keep the fixed
-    order's unit bubble (the list scheduler with unit durations is the fixed order)."""
-    costs = ((1.0, 0.05, 1.6), (1.0, 1.0, 0.4), (1.0, 1.0, 0.4), (2.5, 1.0, 0.4))
+    """The fixed ZBV and DualPipeV orders, whose steady states run whole backwards, are already as
+    short as any candidate when W is cheap against B, the first stage has no B and the last is
+    heavy; a heavy third stage (its W above all) leaves them room. There the cost orders are
+    predicted shorter than the fixed ones, and equal costs keep the fixed order's unit bubble."""
+    costs = ((1.6, 0.2, 0.4), (0.2, 0.05, 1.6), (0.4, 1.6, 2.5), (1.6, 0.2, 0.4))
     for schedule in ("zbv", "dualpipev"):
         fixed = zero_bubble_orders(schedule, 2, 2, 8, True)
         best = measured_orders(schedule, 2, 2, 8, costs)[0]

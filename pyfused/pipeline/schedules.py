@@ -418,13 +418,15 @@ class ScheduleInterleavedZeroBubble(_MultiStageSchedule):
 class ScheduleZBVZeroBubble(_MultiStageSchedule):
     """ZB-V: exactly two stages per rank in a V (rank r holds stages r and 2p-1-r, so the first and
     the last stage, with the loss, are on rank 0), split backward; activation memory bounded by
-    1F1B's (2p half-stage microbatches per rank)."""
+    1F1B's (2p half-stage microbatches per rank). With at least as many microbatches as stages
+    torch's order, whose steady state runs whole backwards (B with its W, one autograd pass)."""
     _schedule = "zbv"
 
 
 class ScheduleDualPipeV(_MultiStageSchedule):
     """DualPipeV (DeepSeek-V3's DualPipe folded onto a V of two stages per rank): in the steady
-    state a rank runs the forward of one microbatch and the backward (B) of another as one pair,
-    whose transfers are posted together so that the forward's output travels while the backward
-    computes; W's fill the rest. Unlike torch's, fewer microbatches than stages are accepted."""
+    state a rank runs the forward of one microbatch and then the whole backward (B with its W, one
+    autograd pass) of another; W's are split off only to fill the drain. With at least as many
+    microbatches as stages this is torch's order; unlike torch, fewer are accepted (then the list
+    scheduler's order, whose F+B pairs post their transfers together)."""
     _schedule = "dualpipev"
