@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     dim: each block a unit, then the model -- with pp > 1 this rank's stage module, whose units
     stay gathered through a step's microbatches and reduce-scatter once, on its last backward;
     docs/FSDP.md) or "hsdp" (``fully_shard`` on the 2-D ("dp_replicate", "dp_shard") mesh: sharded
-    within dp_shard, replicated across dp_replicate; pp = 1).
+    within dp_shard, replicated across dp_replicate; with pp > 1 each stage, as with "fsdp").
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "

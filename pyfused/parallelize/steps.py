@@ -132,7 +132,7 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
 def data_parallel_problem(info: MeshInfo, dp: str) -> Optional[str]:
     """Why the mesh's data-parallel dims do not fit ``dp``, or None: dp="hsdp" takes the dims
     "dp_replicate" and "dp_shard", adjacent and in that order (fully_shard's (replicate, shard)),
-    in place of "dp", without pipeline parallelism; "ddp" and "fsdp" take "dp"."""
+    in place of "dp"; "ddp" and "fsdp" take "dp"."""
     names = info.names
     hsdp_dims = [d for d in HSDP_DIMS if d in names]
     example = ("e.g. init_device_mesh(device, (R, S, tp), mesh_dim_names=('dp_replicate', "
@@ -149,9 +149,6 @@ def data_parallel_problem(info: MeshInfo, dp: str) -> Optional[str]:
     if names.index("dp_shard") != names.index("dp_replicate") + 1:
         return (f"dp='hsdp' needs 'dp_shard' right after 'dp_replicate' (fully_shard reads the 2-D "
                 f"mesh as (replicate, shard)), {example}; got mesh dims {names}")
-    if info.size["pp"] > 1:
-        return ("dp='hsdp' is not composed with pipeline parallelism (pp > 1); use dp='fsdp' on a "
-                "'dp' dim")
     return None
 
 
@@ -195,10 +192,13 @@ def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: Mes
                    tp: tp_mod.TensorParallel, dp: str,
                    pipeline_options: Dict) -> pp_mod.PipelinedModel:
     """This rank's pipeline stage and its schedule: the cut is decided on the full model, then TP,
-    cp and ``dp`` (over dp x cp, where the stage's parameters are replicated) apply to the modules
-    the stage keeps (pipeline.py)."""
+    cp and ``dp`` (over dp x cp, where the stage's parameters are replicated; HSDP: over
+    ``fsdp_mesh``) apply to the modules the stage keeps (pipeline.py)."""
     context = apply_cp(None, info) if info.size["cp"] > 1 else None
-    data_mesh = replica_mesh(info) if info.size["dp"] * info.size["cp"] > 1 else None
+    if info.hsdp:
+        data_mesh = fsdp_mesh(info)
+    else:
+        data_mesh = replica_mesh(info) if info.size["dp"] * info.size["cp"] > 1 else None
     return pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, data_mesh=data_mesh,
                                  context=context, **pipeline_options)
 
