@@ -133,8 +133,7 @@ def _refused(rank, world, shape, names, options):
     ((2, 2), ("dp_replicate", "tp"), {"dp": "hsdp"}, "dp='hsdp' needs the mesh dims"),
     ((2, 2), HSDP, {"dp": "fsdp"}, "are HSDP's: pass dp='hsdp'"),
     ((2, 2), HSDP, {}, "are HSDP's: pass dp='hsdp'"),
-    ((2, 1, 2), HSDP + ("pp",), {"dp": "hsdp", "n_microbatches": 2}, "not composed with pipeline"),
-], ids=["1-D", "swapped", "replicate-only", "fsdp", "ddp", "pp"])
+], ids=["1-D", "swapped", "replicate-only", "fsdp", "ddp"])
 def test_bad_hsdp_meshes_same_error_everywhere(ranks, shape, names, options, expect):
     messages = ranks.run(4, _refused, shape, names, options, timeout=TIMEOUT)
     assert messages[0] and len(set(messages)) == 1, messages

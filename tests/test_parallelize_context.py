@@ -1,9 +1,16 @@
 """``parallelize`` with a ``cp`` mesh dim: a tiny Llama trained 3 AdamW steps at dp x cp, cp x tp,
-dp x cp with ``dp="fsdp"``, pp x cp (and, with PYFUSED_LONG_TESTS=1, dp x cp x tp, pp x cp with
+dp x cp with ``dp="fsdp"``, pp x cp, dp_replicate x cp and dp_shard x cp with ``dp="hsdp"`` (and,
+with PYFUSED_LONG_TESTS=1, pp x dp_replicate x cp with ``dp="hsdp"``, dp x cp x tp, pp x cp with
 ``dp="fsdp"``, pp x cp at cp = 3, dp x pp x cp and pp x cp x tp) equals the same
-model trained in one process on the whole batch (every gradient of the first step, the loss of
-every step, then every parameter), with a sequence of 13 tokens (padded at the end to a multiple
-of 2 cp); refused model types and attention masks raise the same error on every rank.
+model trained in one process on the whole batch (every gradient of the first step and their norm,
+the loss of every step, then every parameter), with a sequence of 13 tokens (padded at the end to
+a multiple of 2 cp); refused model types, attention masks and an HSDP option without HSDP's dims
+raise the same error on every rank.
+
+HSDP (``dp="hsdp"``): the cp ranks shard with dp_shard and replicate over dp_replicate; at
+dp_replicate = 2 x cp = 2 (the cp group is the shard group, the replica all-reduce crosses
+dp_replicate), dp_shard = 2 x cp = 2 (shards over dp_shard x cp flattened) and, with
+PYFUSED_LONG_TESTS=1, pp = 2 x dp_replicate = 2 x cp = 2.
 
 The parameters after the steps are compared with a tolerance of 1% of the learning rate per step:
 AdamW divides each gradient by its running RMS, so an fp32 rounding difference in a gradient near
@@ -36,10 +43,10 @@ def _train(rank, world, dims, sizes, data_parallel="ddp"):
     import pyfused
 
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
-    dp = dict(zip(dims, sizes)).get("dp", 1)
-    coord = mesh.get_local_rank("dp") if "dp" in dims else 0
     ref = build("llama", seed=3)
     pm = pyfused.parallelize(build("llama", seed=3), mesh, dp=data_parallel)
+    info = pm.mesh_info  # dp: the "dp" dim, or HSDP's dp_replicate x dp_shard
+    dp, coord = info.size["dp"], info.coord["dp"]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     for step, (ids, labels) in enumerate(_batches(dp)):
@@ -53,11 +60,15 @@ def _train(rank, world, dims, sizes, data_parallel="ddp"):
         pm.backward(out.loss)
         for name, g in (pm.full_grad_dict().items() if step == 0 else ()):
             assert_close(g, ref_grads[name], name=f"grad {name} rank {rank} {dims}")
+        if step == 0:  # the norm alone: a bound this large clips nothing (both scale by 1.0)
+            ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+            assert_close(pm.clip_grad_norm_(1e9), ref_norm, name=f"norm rank {rank} {dims}")
         opt.step()
         opt.zero_grad()
         total = out.loss.detach().clone()  # the whole sequence's loss of this dp rank's batch
-        if dp > 1:
-            torch.distributed.all_reduce(total, group=pm.mesh_info.group["dp"])
+        for d in ("dp", "dp_replicate", "dp_shard"):  # HSDP: "dp" has no group
+            if info.group[d] is not None and info.size[d] > 1:
+                torch.distributed.all_reduce(total, group=info.group[d])
         assert_close(total / dp, ref_loss, name=f"loss step {step} rank {rank} {dims}")
     full = pm.full_state_dict()
     for name, t in ref.state_dict().items():
@@ -69,13 +80,18 @@ def _train(rank, world, dims, sizes, data_parallel="ddp"):
 @pytest.mark.parametrize("dims,sizes,data_parallel", [
     (("dp", "cp"), (2, 2), "ddp"), (("cp",), (3,), "ddp"), (("cp", "tp"), (2, 2), "ddp"),
     (("dp", "cp"), (2, 2), "fsdp"), (("pp", "cp"), (2, 2), "ddp"),
+    (("dp_replicate", "dp_shard", "cp"), (2, 1, 2), "hsdp"),
+    (("dp_replicate", "dp_shard", "cp"), (1, 2, 2), "hsdp"),
+    pytest.param(("pp", "dp_replicate", "dp_shard", "cp"), (2, 2, 1, 2), "hsdp",
+                 marks=long_test("pp x dp_replicate x cp with dp='hsdp' on 8 ranks")),
     pytest.param(("dp", "cp", "tp"), (2, 2, 2), "ddp", marks=long_test("dp x cp x tp on 8 ranks")),
     pytest.param(("pp", "cp"), (2, 2), "fsdp", marks=long_test("pp x cp with dp='fsdp'")),
     pytest.param(("pp", "cp"), (2, 3), "ddp", marks=long_test("pp x cp at cp = 3 on 6 ranks")),
     pytest.param(("dp", "pp", "cp"), (2, 2, 2), "ddp", marks=long_test("dp x pp x cp on 8 ranks")),
     pytest.param(("pp", "cp", "tp"), (2, 2, 2), "ddp", marks=long_test("pp x cp x tp on 8 ranks")),
-], ids=["dp2xcp2", "cp3", "cp2xtp2", "dp2xcp2-fsdp", "pp2xcp2", "dp2xcp2xtp2", "pp2xcp2-fsdp",
-        "pp2xcp3", "dp2xpp2xcp2", "pp2xcp2xtp2"])
+], ids=["dp2xcp2", "cp3", "cp2xtp2", "dp2xcp2-fsdp", "pp2xcp2", "rep2xcp2-hsdp",
+        "shard2xcp2-hsdp", "pp2xrep2xcp2-hsdp", "dp2xcp2xtp2", "pp2xcp2-fsdp", "pp2xcp3",
+        "dp2xpp2xcp2", "pp2xcp2xtp2"])
 def test_training_matches_single_process(ranks, dims, sizes, data_parallel):
     world = 1
     for s in sizes:
@@ -127,7 +143,7 @@ def _refused(rank, world, case):
 
 @pytest.mark.parametrize("case,expected", [
     ("gpt2", "context parallelism (cp=2) supports"),
-    ("hsdp", "composes with tp, pp and dp='ddp' or 'fsdp' only; got ep=1, dp='hsdp'"),
+    ("hsdp", "dp='hsdp' needs the mesh dims 'dp_replicate' and 'dp_shard'"),
     ("left padding", "padding at the end")])
 def test_refused_with_the_same_error_on_every_rank(ranks, case, expected):
     errors = ranks.run(2, _refused, case, timeout=TIMEOUT)

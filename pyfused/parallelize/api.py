@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, mesh, plan: Union[str, Dict[str, str]] = "auto
     dim: each block a unit, then the model -- with pp > 1 this rank's stage module, whose units
     stay gathered through a step's microbatches and reduce-scatter once, on its last backward;
     docs/FSDP.md) or "hsdp" (``fully_shard`` on the 2-D ("dp_replicate", "dp_shard") mesh: sharded
-    within dp_shard, replicated across dp_replicate; pp = 1).
+    within dp_shard, replicated across dp_replicate; with pp > 1 each stage, as with "fsdp").
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pyfused.parallelize needs torch.distributed initialised (torchrun, or "
@@ -133,12 +133,15 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "mesh_info", info)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_stage", stage)
-        # parameters are DTensors over dp (HSDP: over dp_shard; with ep > 1 the replicated ones
-        # over dp x ep, the experts over dp; with cp over dp x cp, the cp dim's replicas): the
-        # group their norms sum over
-        shard_dim = "dp_shard" if data_parallel == "hsdp" else "dp"
-        sharded = data_parallel != "ddp" and info.size[shard_dim] > 1
-        shard_group = info.group[shard_dim] if sharded else None
+        # parameters are DTensors over dp (HSDP: over dp_shard, or dp_shard x cp, the shard dim of
+        # its mesh; with ep > 1 the replicated ones over dp x ep, the experts over dp; with cp over
+        # dp x cp, the cp dim's replicas): the group their norms sum over
+        shard_group = None
+        if data_parallel == "hsdp":  # the replicas along dp_replicate hold the same rows
+            shards = fsdp_mesh(info)
+            shard_group = shards.get_group(1) if shards.size(1) > 1 else None
+        elif data_parallel == "fsdp" and info.size["dp"] > 1:
+            shard_group = info.group["dp"]
         ep_sharded = data_parallel == "fsdp" and info.size["ep"] > 1
         if ep_sharded:
             shard_group = fsdp_mesh(info).get_group() if stage is None else stage.shard_group

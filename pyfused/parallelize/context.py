@@ -13,13 +13,14 @@ parallel model
      each rank's cross-entropy sum divided by the whole batch's token count, summed over the cp
      group. The returned ``loss`` has that value on every rank; its gradient is cp times this rank's
      part, so that the data-parallel average over the (dp x cp) group -- where the parameters are
-     replicated (DDP) or sharded (``dp="fsdp"``: fully_shard over dp x cp flattened) -- sums the
-     parts of one sequence and averages over the dp batches.
+     replicated (DDP) or sharded (``dp="fsdp"``: fully_shard over dp x cp flattened; ``dp="hsdp"``:
+     sharded over dp_shard x cp flattened, replicated over dp_replicate) -- sums the parts of one
+     sequence and averages over the dp batches.
 The returned ``logits`` are this rank's rows (``gather_rows`` puts them in global order).
 
 Refused, with the same error on every rank: model types outside ``CP_FAMILIES`` (their attention
-does not go through transformers' attention interface with rotary position ids), ep or
-``dp="hsdp"`` with cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
+does not go through transformers' attention interface with rotary position ids), ep with
+cp > 1, and -- at call time -- an ``attention_mask`` that is not all ones
 followed by padding at the end (checked on the whole cp group's batch when one is passed).
 """
 from __future__ import annotations
@@ -50,9 +51,9 @@ def problem(model: nn.Module, cp: int, dp: str, ep: int = 1) -> Optional[str]:
         return (f"context parallelism (cp={cp}) supports the model types {CP_FAMILIES}, whose "
                 f"attention takes rotary position ids and transformers' attention interface; "
                 f"got {model_type!r}")
-    if ep > 1 or dp not in ("ddp", "fsdp"):
-        return (f"context parallelism (cp={cp}) composes with tp, pp and dp='ddp' or 'fsdp' only; "
-                f"got ep={ep}, dp={dp!r}")
+    if ep > 1:
+        return (f"context parallelism (cp={cp}) composes with tp, pp and dp='ddp', 'fsdp' or "
+                f"'hsdp', not with expert parallelism; got ep={ep}")
     return None
 
 
@@ -84,8 +85,9 @@ class ContextParallel:
     """The cp dim of a parallel model: its group, size and this rank's coordinate."""
 
     def __init__(self, pg, size: int, coord: int, replicas=None):
-        """``replicas``: the group of every rank that holds these parameters (dp x cp), over which a
-        bad ``attention_mask`` on any rank is reported on all."""
+        """``replicas``: the group of every rank that holds these parameters (dp x cp; HSDP:
+        dp_replicate x dp_shard x cp), over which a bad ``attention_mask`` on any rank is reported
+        on all."""
         self.pg, self.size, self.coord = pg, size, coord
         self.replicas = pg if replicas is None else replicas
 

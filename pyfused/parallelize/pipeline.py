@@ -34,7 +34,10 @@ averages its gradients over ep as it does without a pipeline (moe.py); the ep ra
 the same schedule, so their all-to-alls and gradient hooks meet. With
 ``dp="fsdp"`` the stage is fully sharded over its dp group instead (its blocks, then the stage
 module) and run by ``pyfused.fsdp.compose.FullyShardedStage``: gathered once per step, gradients
-accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts.
+accumulated unsharded and reduce-scattered once, as the last microbatch's backward starts. With
+``dp="hsdp"`` the same on HSDP's 2-D (dp_replicate, dp_shard) mesh: each unit's reduce-scatter over
+dp_shard is followed by its all-reduce over dp_replicate, once per step; the tied head's and the
+norm's sums then treat dp_shard as FSDP's dp (the replicas hold the same rows).
 
 Context parallelism (cp > 1, context.py): every rank of a cp group runs the same stage on its zigzag
 rows of the sequence (padded at the end to a multiple of 2 cp), with the global positions of those
@@ -146,9 +149,9 @@ class PipelinedModel:
                  schedule: str = "1f1b", balance: Optional[str] = "time", split_points=None,
                  example_input_ids: Optional[torch.Tensor] = None, data_parallel: str = "ddp",
                  data_mesh=None, context=None):
-        """``data_mesh``: the 1-D mesh of the ranks that hold this stage's parameters (dp, or dp x cp
-        flattened), None when there is one; ``context``: the cp dim's ``ContextParallel``, None at
-        cp = 1."""
+        """``data_mesh``: the mesh of the ranks that hold this stage's parameters, None when there
+        is one: 1-D (dp, or dp x cp flattened), or with ``data_parallel="hsdp"`` HSDP's 2-D
+        (replicate, shard) mesh; ``context``: the cp dim's ``ContextParallel``, None at cp = 1."""
         self.pp, self.stage_index, self.pg = info.size["pp"], info.coord["pp"], info.group["pp"]
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp - 1
         self.n_microbatches = n_microbatches or self.pp
@@ -177,7 +180,8 @@ class PipelinedModel:
         if tp.world > 1:
             tp.apply(model, resolved, install_region=False)
         # with ep > 1 fully_shard runs over every data rank (dp x ep) even without a dp dim
-        fully_sharded = data_parallel == "fsdp" and (data_mesh is not None or ep > 1)
+        fully_sharded = data_parallel == "hsdp" or (
+            data_parallel == "fsdp" and (data_mesh is not None or ep > 1))
         ep_mod.average_gradients(model, info.group["ep"], ep, replicated_by_fsdp=fully_sharded)
         self.parts.blocks = list(self.parts.base._modules[self.parts.attr])  # now TP-sharded
         if context is not None:  # after the cut: its profiling runs no cp collective
@@ -192,9 +196,10 @@ class PipelinedModel:
             if ep > 1:  # the experts units of their own over dp, the rest over dp x ep (moe.py)
                 ep_mod.shard_experts(model, ep_mod.experts_mesh(info.mesh), tp.param_specs)
                 data_mesh = ep_mod.data_mesh(info.mesh, info.size["dp"])
-            # (world, rank) of the data-parallel shards
-            self.dp_shards = (data_mesh.size(), data_mesh.get_local_rank())
-            self.shard_group = data_mesh.get_group()
+            # (world, rank) of the data-parallel shards: the mesh's last dim (HSDP's shard dim)
+            shard_dim = data_mesh.ndim - 1
+            self.dp_shards = (data_mesh.size(shard_dim), data_mesh.get_local_rank(shard_dim))
+            self.shard_group = data_mesh.get_group(shard_dim)
             fsdp_compose.shard_model(model, None, data_mesh, tp.param_specs,
                                      root=self.submodule,
                                      blocks=[self.parts.blocks[i] for i in blocks_here])
@@ -218,9 +223,9 @@ class PipelinedModel:
         """Unit indices where the stages start, the same on every rank of the mesh.
 
         On the full model, before TP: only pp rank 0 profiles, so it must run no TP collective.
-        Every pipeline group decides; all then adopt the cut of the group at dp = tp = cp = 0 (the
-        TP and cp ranks of a stage must hold the same blocks, and timings differ from rank to
-        rank)."""
+        Every pipeline group decides; all then adopt the cut of the group at dp = tp = cp = 0 (HSDP:
+        dp_replicate = dp_shard = 0; the TP, data and cp ranks of a stage must hold the same blocks,
+        and timings differ from rank to rank)."""
         model = self.top
         if split_points is None and balance is None:
             split_points = even_starts(len(units), self.pp)
@@ -232,7 +237,8 @@ class PipelinedModel:
         _, self.report = split(units, self.pp, example, balance=balance or "time",
                                split_points=split_points, group=self.pg)
         points = list(self.report.split_points)
-        for dim in ("tp", "dp", "cp"):  # the peers take the points of their group's rank 0
+        # the peers take the points of their group's rank 0 (a dim absent from the mesh: no group)
+        for dim in ("tp", "dp", "dp_replicate", "dp_shard", "cp"):
             points = comm.agree_on(info.group[dim], "parallelize", points,
                                    detail=f"the split points along {dim}")[0]
         return [0, *points, len(units)]

@@ -13,7 +13,8 @@
   apply_pipeline      with pp > 1, in place of apply_tp, apply_cp and data parallelism: this rank's
                       pipeline stage, which applies them to the modules it keeps (pipeline.py);
   apply_fsdp          ``fully_shard`` on the dp dim: each block a unit, then the model;
-                      with dp="hsdp" on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP);
+                      with dp="hsdp" on the 2-D ("dp_replicate", "dp_shard") mesh (HSDP;
+                      with cp > 1 the shard dim is dp_shard x cp: ``hsdp_mesh``);
   apply_ddp           pyfused's DistributedDataParallel on the dp dim (dp x cp with a cp dim).
 
 Every step after the agreement runs the same collectives in the same order on every rank, since
@@ -132,7 +133,7 @@ def check_locally(model: nn.Module, mesh, plan, sequence_parallel: bool, dp: str
 def data_parallel_problem(info: MeshInfo, dp: str) -> Optional[str]:
     """Why the mesh's data-parallel dims do not fit ``dp``, or None: dp="hsdp" takes the dims
     "dp_replicate" and "dp_shard", adjacent and in that order (fully_shard's (replicate, shard)),
-    in place of "dp", without pipeline parallelism; "ddp" and "fsdp" take "dp"."""
+    in place of "dp"; "ddp" and "fsdp" take "dp"."""
     names = info.names
     hsdp_dims = [d for d in HSDP_DIMS if d in names]
     example = ("e.g. init_device_mesh(device, (R, S, tp), mesh_dim_names=('dp_replicate', "
@@ -149,9 +150,6 @@ def data_parallel_problem(info: MeshInfo, dp: str) -> Optional[str]:
     if names.index("dp_shard") != names.index("dp_replicate") + 1:
         return (f"dp='hsdp' needs 'dp_shard' right after 'dp_replicate' (fully_shard reads the 2-D "
                 f"mesh as (replicate, shard)), {example}; got mesh dims {names}")
-    if info.size["pp"] > 1:
-        return ("dp='hsdp' is not composed with pipeline parallelism (pp > 1); use dp='fsdp' on a "
-                "'dp' dim")
     return None
 
 
@@ -195,10 +193,13 @@ def apply_pipeline(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: Mes
                    tp: tp_mod.TensorParallel, dp: str,
                    pipeline_options: Dict) -> pp_mod.PipelinedModel:
     """This rank's pipeline stage and its schedule: the cut is decided on the full model, then TP,
-    cp and ``dp`` (over dp x cp, where the stage's parameters are replicated) apply to the modules
-    the stage keeps (pipeline.py)."""
+    cp and ``dp`` (over dp x cp, where the stage's parameters are replicated; HSDP: over
+    ``fsdp_mesh``) apply to the modules the stage keeps (pipeline.py)."""
     context = apply_cp(None, info) if info.size["cp"] > 1 else None
-    data_mesh = replica_mesh(info) if info.size["dp"] * info.size["cp"] > 1 else None
+    if info.hsdp:
+        data_mesh = fsdp_mesh(info)
+    else:
+        data_mesh = replica_mesh(info) if info.size["dp"] * info.size["cp"] > 1 else None
     return pp_mod.PipelinedModel(model, resolved, info, tp, data_parallel=dp, data_mesh=data_mesh,
                                  context=context, **pipeline_options)
 
@@ -220,13 +221,13 @@ def apply_fsdp(model: nn.Module, resolved: plans_mod.ResolvedPlan, info: MeshInf
 
 
 def fsdp_mesh(info: MeshInfo):
-    """The mesh fully_shard shards the model over, None on one rank: HSDP's 2-D ("dp_replicate",
-    "dp_shard") mesh, the dp dim, with ep > 1 every data rank, dp x ep flattened (the experts
+    """The mesh fully_shard shards the model over, None on one rank: HSDP's 2-D mesh
+    (``hsdp_mesh``), the dp dim, with ep > 1 every data rank, dp x ep flattened (the experts
     aside; moe.py), or with cp > 1 dp x cp (``replica_mesh``). Made once per mesh: every rank
     makes it at the same step."""
     if not hasattr(info, "fsdp_mesh"):
         if info.hsdp:
-            info.fsdp_mesh = info.mesh[HSDP_DIMS]
+            info.fsdp_mesh = hsdp_mesh(info)
         elif info.size["ep"] > 1:
             info.fsdp_mesh = ep_mod.data_mesh(info.mesh, info.size["dp"])
         elif info.size["cp"] > 1:
@@ -234,6 +235,17 @@ def fsdp_mesh(info: MeshInfo):
         else:
             info.fsdp_mesh = info.mesh["dp"] if info.size["dp"] > 1 else None
     return info.fsdp_mesh
+
+
+def hsdp_mesh(info: MeshInfo):
+    """HSDP's 2-D (replicate, shard) mesh: ("dp_replicate", "dp_shard"), or with cp > 1
+    ("dp_replicate", dp_shard x cp flattened): the cp ranks hold the same parameters, so they
+    share the shards out with dp_shard, as dp="fsdp" shards over dp x cp."""
+    if info.size["cp"] == 1:
+        return info.mesh[HSDP_DIMS]
+    # joined, not sliced out of the root mesh: torch deprecates slicing a flattened dim from it
+    return DeviceMeshType._concatenate([info.mesh["dp_replicate"],
+                                        flattened(info, ("dp_shard", "cp"))])
 
 
 def apply_cp(model: Optional[nn.Module], info: MeshInfo) -> cp_mod.ContextParallel:
@@ -269,12 +281,24 @@ def _replica_group(info: MeshInfo):
 
 
 def replica_mesh(info: MeshInfo):
-    """The 1-D mesh of dp (without a cp dim), cp (at dp = 1), or dp x cp flattened (made once per
-    mesh)."""
+    """The 1-D mesh of dp (without a cp dim), cp (at dp = 1), or dp x cp flattened; on an HSDP
+    mesh dp_replicate x dp_shard x cp flattened (made once per mesh)."""
+    if info.hsdp:
+        return flattened(info, HSDP_DIMS + ("cp",))
     if info.size["cp"] == 1:
         return info.mesh["dp"]
     if info.size["dp"] == 1:
         return info.mesh["cp"]
-    if not hasattr(info, "dp_cp_mesh"):
-        info.dp_cp_mesh = info.mesh["dp", "cp"]._flatten()
-    return info.dp_cp_mesh
+    return flattened(info, ("dp", "cp"))
+
+
+def flattened(info: MeshInfo, dims: Tuple[str, ...]):
+    """The mesh's dims among ``dims``, in the mesh's order, flattened into one 1-D mesh (made once
+    per mesh and dims: every rank makes it at the same step)."""
+    dims = tuple(n for n in info.names if n in dims)
+    if len(dims) == 1:
+        return info.mesh[dims[0]]
+    made = info.__dict__.setdefault("flat_meshes", {})
+    if dims not in made:
+        made[dims] = info.mesh[dims]._flatten()
+    return made[dims]
