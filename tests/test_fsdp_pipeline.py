@@ -197,6 +197,32 @@ def test_split_backward_schedule_same_error_everywhere(ranks):
     assert messages[0] and len(set(messages)) == 1 and "'zbh1'" in messages[0], messages
 
 
+def _batches_of_two_shapes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused.comm import InputError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pm = pyfused.parallelize(build("llama"), mesh, dp="fsdp", n_microbatches=2)
+    ids, labels = _batch(0)
+    rows = 4 if pm.mesh_info.coord["dp"] == 0 else 5  # the second data rank feeds one row more
+    try:
+        pm(input_ids=ids[:rows], labels=labels[:rows])
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def test_batches_of_different_shapes_same_error_everywhere(ranks):
+    """fully_shard gathers a stage's parameters in the pipeline's shape pass, which reruns when a
+    pipeline's batch shape changes: data ranks feeding different shapes would wait on each other's
+    gathers until the group's timeout. They get the same InputError at once instead."""
+    messages = ranks.run(4, _batches_of_two_shapes, timeout=240)
+    assert messages[0] and len(set(messages)) == 1, messages
+    assert f"from [4, {SEQ}] to [5, {SEQ}]" in messages[0], messages[0]
+
+
 # ---- fully_shard under pyfused.pipeline's schedules directly: FullyShardedStage ----------------
 BLOCK_WIDTHS = (6, 16, 16, 12, 5)  # 5 output rows: uneven shards (3 / 2) at dp=2
 

@@ -302,6 +302,7 @@ class PipelinedModel:
         if len(args) > 1 or extra or not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"with pipeline parallelism the model takes input_ids (and labels) only; "
                              f"got {len(args)} positional argument(s) and {sorted(extra)}")
+        self._check_one_batch_shape(input_ids)
         # a training step (forward and backward) only where the original's call could be one
         train = self.top.training and torch.is_grad_enabled() and labels is not None
         if self.context is not None:  # this rank's rows, the labels shifted before the cut
@@ -328,6 +329,28 @@ class PipelinedModel:
             with comm.failures_named("parallelize pipeline (loss broadcast)", self.pg):
                 dist.broadcast(loss, group=self.pg, group_src=self.pp - 1)
         return self.output_type(loss=loss, logits=logits if self.is_last else None)
+
+    def _check_one_batch_shape(self, input_ids: torch.Tensor) -> None:
+        """Under fully_shard every data rank of a stage must feed batches of one shape: the
+        pipeline's shape pass (pyfused/pipeline/meta.py), which gathers the stage's parameters
+        over ``shard_group``, runs again when a pipeline's shapes change, and ranks running it a
+        different number of times would wait on each other's gathers until the timeout. One
+        all-reduce of four integers per call (none with validation "off"); the same ``InputError``
+        on every rank of the group."""
+        if self.shard_group is None or not comm.validation_enabled():
+            return
+        dims = list(input_ids.shape[:2]) + [0] * (2 - min(2, input_ids.dim()))
+        both = torch.tensor(dims + [-d for d in dims], dtype=torch.int64,
+                            device=comm.comm_device(self.shard_group))
+        with comm.failures_named("parallelize pipeline (batch shape check)", self.shard_group):
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.shard_group)
+        low, high = both[:2].tolist(), [-d for d in both[2:].tolist()]
+        if low != high:
+            raise comm.InputError(
+                f"pyfused.parallelize: with pipeline parallelism and a fully sharded data-parallel "
+                f"dim, every data rank must feed input_ids of the same shape; this step's batch, "
+                f"sequence range over the ranks from {low} to {high} (pad the batches to one "
+                f"shape)")
 
     def _sum_tied_grads(self) -> None:
         if self.tied is None:
