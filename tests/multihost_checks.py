@@ -212,3 +212,20 @@ def hsdp_on_host_mesh(rank: int, world: int) -> Dict:
     return {"mesh": list(mesh.shape),
             "warning": mesh_mod.host_warning(mesh_mod.resolve(mesh, cpu)),
             "transposed": mesh_mod.host_warning(mesh_mod.resolve(transposed, cpu))}
+
+
+def training_across_hosts(rank: int, world: int) -> Dict:
+    """The data-parallel methods and a pipeline train across the hosts as the one-host tests check
+    them (their own rank bodies, here over the hosts' link): ZeRO-2 (pyfused DDP with a sharded
+    optimizer) == torch DDP == one process; ``fully_shard`` == one process; GPT-2 under
+    ``parallelize`` on a (pp, dp) mesh, so each pipeline's two stages sit on different hosts and
+    its tied head's gradient is summed across them: logits, loss, gradients, clipped norm and
+    state == one process."""
+    from tests import test_ddp_sharded as Z, test_fsdp as F, test_parallelize_mesh as P
+
+    H.compare_training(rank, world, "mlp", opt="adamw_groups", steps=3, ours=Z.SHARD)
+    assert F._train(rank, world, "mlp", 1)
+    assert P._mesh_matches(rank, world, "gpt2", (2, world // 2), ("pp", "dp"), False,
+                           {"n_microbatches": 2})
+    dp = world // 2  # the (pp, dp) mesh's pipeline of this rank: its column
+    return {"pipeline_ranks": [rank % dp, rank % dp + dp]}

@@ -28,6 +28,7 @@ CHECKS = {
     "ddp": C.ddp_matches,
     "bench": C.bench_rows,
     "hsdp": C.hsdp_on_host_mesh,
+    "training": C.training_across_hosts,
 }
 GROUP_TIMEOUT_S = 60
 ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
