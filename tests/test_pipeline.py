@@ -27,7 +27,7 @@ from pyfused.pipeline import (
     split,
 )
 from pyfused.pipeline.plan import local_stages
-from tests.utils import assert_close
+from tests.utils import assert_close, long_test
 
 TIMEOUT = 60        # a healthy case takes a few seconds; a hang fails fast
 ERROR_TIMEOUT = 30
@@ -282,6 +282,8 @@ def bench_quick(rank, world, out):
     return bench_pipeline.run(ctx)
 
 
+@long_test("the pipeline bench suite at its quick sizes (its plumbing runs in tests/test_bench.py "
+           "and tests/test_faults.py)")
 def test_benchmark_suite_quick(ranks, tmp_path):
     from pathlib import Path
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import long_test
+
 pytest.importorskip("transformers", reason="examples/train_llm.py needs transformers (the 'models' extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,8 @@ def test_loss_falls_and_follows_the_single_process_run(reference):
         assert abs(lp - ls) <= 1e-3 * abs(ls), (step, lp, ls)
 
 
+@long_test("the elastic restart after killed ranks (two torchrun restarts; the multi-host "
+           "host-loss cases in tests/test_host_loss.py cover it across hosts)")
 def test_elastic_run_survives_killed_ranks(reference, tmp_path):
     # rank 1 dies in step 3's training (the newest complete checkpoint is step 2's), then, restarted,
     # inside the write of step 6's checkpoint (its shards on disk): step 4's is the newest complete one
