@@ -127,7 +127,8 @@ class RankPool:
             raise RankFailure("".join(f"\n--- rank {r} raised:\n{v}" for r, v in errors))
         return [v for _, v in got]
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every rank to leave (it destroys its group and exits); ``close`` waits for them."""
         self.healthy = False
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
@@ -135,6 +136,9 @@ class RankPool:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
+
+    def close(self) -> None:
+        self.stop()
         deadline = time.monotonic() + 5
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -157,6 +161,8 @@ class Pools:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
+        for pool in self._pools.values():  # every pool's ranks exit at once, then each is joined
+            pool.stop()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
