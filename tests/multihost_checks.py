@@ -229,3 +229,57 @@ def training_across_hosts(rank: int, world: int) -> Dict:
                            {"n_microbatches": 2})
     dp = world // 2  # the (pp, dp) mesh's pipeline of this rank: its column
     return {"pipeline_ranks": [rank % dp, rank % dp + dp]}
+
+
+# Llama of tests/test_parallelize.py (hidden 48, FFN 44, vocabulary 100); the sequence is a
+# multiple of tp=2, which sequence parallelism shards
+DP_TP_SEQ, DP_TP_ROWS, DP_TP_STEPS, DP_TP_LR = 12, 2, 3, 1e-2
+
+
+def parallelize_dp_x_tp(rank: int, world: int) -> Dict:
+    """A tiny Llama under ``parallelize`` on a (dp, tp) mesh with tp=2, each tp pair on one host
+    and dp across the hosts, trained 3 AdamW steps == one process on the global batches: the loss
+    of every step, the first step's gradients and their norm (fp32 tolerance), every parameter
+    after the steps (1% of the learning rate per step: tests/test_parallelize_context.py says
+    why). Returns the ranks of this rank's tp and dp groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pyfused
+    from pyfused import comm
+    from tests.test_parallelize import VOCAB, build
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp_ranks = dist.get_process_group_ranks(mesh.get_group("tp"))
+    hosts = comm.host_layout().hosts
+    assert len({hosts[r] for r in tp_ranks}) == 1, f"tp group {tp_ranks} spans hosts {hosts}"
+    dp, coord = mesh.size(0), mesh.get_local_rank("dp")
+    ref, pm = build("llama", seed=3), pyfused.parallelize(build("llama", seed=3), mesh)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=DP_TP_LR)
+    opt = torch.optim.AdamW(pm.parameters(), lr=DP_TP_LR)
+    g = torch.Generator().manual_seed(11)
+    mine = slice(coord * DP_TP_ROWS, (coord + 1) * DP_TP_ROWS)
+    for step in range(DP_TP_STEPS):
+        ids, labels = (torch.randint(0, VOCAB, (DP_TP_ROWS * dp, DP_TP_SEQ), generator=g)
+                       for _ in range(2))
+        ref_loss = ref(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        out = pm(input_ids=ids[mine], labels=labels[mine])
+        pm.backward(out.loss)
+        tag = f"parallelize dp={dp} x tp=2 rank {rank} step {step}"
+        if step == 0:
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            for name, grad in pm.full_grad_dict().items():
+                assert_close(grad, ref_grads[name], name=f"grad {name} {tag}")
+            ref_norm = torch.linalg.vector_norm(torch.stack([r.norm() for r in ref_grads.values()]))
+            assert_close(pm.clip_grad_norm_(1e9), ref_norm, name=f"norm {tag}")  # clips nothing
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        assert_close(loss / dp, ref_loss, name=f"loss {tag}")
+    full = pm.full_state_dict()
+    for name, t in ref.state_dict().items():
+        err = (full[name] - t).abs().max().item()
+        assert err <= 0.01 * DP_TP_LR * DP_TP_STEPS, f"{name} after {DP_TP_STEPS} steps: {err:.3g}"
+    return {"tp_ranks": tp_ranks, "dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp"))}

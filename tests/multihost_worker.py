@@ -4,9 +4,10 @@
 
 Joins the job's gloo group (torchrun's environment; gloo on the bed's link), runs the named rank
 bodies of tests/multihost_checks.py in order and writes ``OUT_DIR/rank<r>.json``: this rank's
-torchrun environment and host name, and what each check returned. A failing check raises, so the
-rank, and with it torchrun, exits non-zero; the test then shows the hosts' logs. ``hang`` sleeps
-forever after joining (for the test that the bed stops a stuck launch).
+torchrun environment and host name, what each check returned and how many seconds it took. A
+failing check raises, so the rank, and with it torchrun, exits non-zero; the test then shows the
+hosts' logs. ``hang`` sleeps forever after joining (for the test that the bed stops a stuck
+launch).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ CHECKS = {
     "bench": C.bench_rows,
     "hsdp": C.hsdp_on_host_mesh,
     "training": C.training_across_hosts,
+    "parallelize": C.parallelize_dp_x_tp,
 }
 GROUP_TIMEOUT_S = 60
 ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
@@ -40,11 +42,14 @@ def main(out_dir: str, checks: str) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"rank": rank, "host": comm.local_host(), "env": {k: os.environ.get(k) for k in ENV}}
+    result = {"rank": rank, "host": comm.local_host(), "env": {k: os.environ.get(k) for k in ENV},
+              "seconds": {}}
     for name in checks.split(","):
         if name == "hang":
             time.sleep(3600)
+        started = time.monotonic()
         result[name] = CHECKS[name](rank, world)
+        result["seconds"][name] = round(time.monotonic() - started, 2)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
 

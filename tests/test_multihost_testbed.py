@@ -6,9 +6,10 @@ Each torchrun launch costs 20-40 s on the 2-core box (an agent and two ranks per
 torch), so one launch per bed runs every check in turn (tests/multihost_worker.py): the topology
 from torchrun's environment, the fused method refused across hosts, the host-aware all-reduce
 against the flat one, and DistributedDataParallel's ``auto`` choosing it and matching torch DDP and
-one process, HSDP on the host mesh matching torch FSDP2's bit for bit, ZeRO-2, fully_shard and a
-pipeline with its stages on different hosts matching one process, and the multihost bench suite at
-its quick sizes (its timings are not asserted).
+one process, HSDP on the host mesh matching torch FSDP2's bit for bit, ZeRO-2, fully_shard, a
+pipeline with its stages on different hosts and a Llama under ``parallelize`` at dp=2 x tp=2 (tp
+inside each host) matching one process, and the multihost bench suite at its quick sizes (its
+timings are not asserted).
 The two-host bed's links are shaped (10 Gbit/s), so the launch crosses the qdisc.
 """
 import os
@@ -22,7 +23,7 @@ from tests import multihost as M
 from tests.test_multihost import STEP_ROWS
 
 pytestmark = pytest.mark.slow
-CHECKS = ["layout", "fused", "allreduce", "ddp", "hsdp", "training", "bench"]
+CHECKS = ["layout", "fused", "allreduce", "ddp", "hsdp", "training", "parallelize", "bench"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def _hosts(n):
 def test_two_hosts_under_torchrun(bed2, tmp_path):
     out = M.run_checks(bed2, CHECKS, tmp_path, timeout=2 * M.LAUNCH_TIMEOUT_S)
     assert len(out) == 4
+    print(f"\nseconds per check (rank 0): {out[0]['seconds']}")
     a, b = _hosts(2)
     assert [o["host"] for o in out] == [a, a, b, b]
     assert [o["env"]["GROUP_RANK"] for o in out] == ["0", "0", "1", "1"]
@@ -54,9 +56,12 @@ def test_two_hosts_under_torchrun(bed2, tmp_path):
         assert f"'{a}' (rank {o['rank'] % 2}), '{b}' (rank {o['rank'] % 2 + 2})" in \
             o["hsdp"]["transposed"], o["hsdp"]
     assert [o["layout"]["local"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    # ZeRO-2, fully_shard and a pipeline whose two stages sit on different hosts: the checks
-    # compare them with one process inside the ranks; here, that the pipeline did cross the hosts
+    # ZeRO-2, fully_shard, a pipeline whose two stages sit on different hosts and parallelize at
+    # dp x tp: the checks compare them with one process inside the ranks; here, that the pipeline
+    # and the dp groups did cross the hosts and each tp group stayed inside one
     assert [o["training"]["pipeline_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [o["parallelize"]["tp_ranks"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o["parallelize"]["dp_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     bench = out[0]["bench"]  # the suite runs and checks its results; its timings are not asserted
     assert [(r["shape"], r["method"], r["status"]) for r in bench[:4]] == [
         (f"{s} MiB", m, "ok") for s in (1, 4) for m in ("flat", "hierarchical")]
