@@ -179,15 +179,22 @@ def test_promised_bubbles():
                 assert izb < unit_bubble(inter, p, 2 * p, False, False)
 
 
-def _torch_v_order(schedule, rank, p, m):
-    """torch's ScheduleZBVZeroBubble or ScheduleDualPipeV order of ``rank`` in pyfused's actions: a
-    full backward is a B directly followed by its W, an overlapped pair its two actions in
-    sequence."""
+TORCH_CLASS = {"zbh1": "ScheduleInterleavedZeroBubble", "interleaved_zb":
+               "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+               "dualpipev": "ScheduleDualPipeV"}
+
+
+def _torch_order(schedule, rank, p, v, m):
+    """torch's order of ``rank`` for ``schedule`` in pyfused's actions (ZB-H1: its
+    ScheduleInterleavedZeroBubble with one stage per rank): a full backward is a B directly
+    followed by its W, an overlapped pair its two actions in sequence."""
     from torch.distributed.pipelining import schedules as ts
 
     kinds = ts._ComputationType
-    cls = {"zbv": ts.ScheduleZBVZeroBubble, "dualpipev": ts.ScheduleDualPipeV}[schedule]
-    shell = type("Shell", (), {"pp_group_size": p, "_n_microbatches": m, "num_stages": 2 * p})()
+    n_rounds = max(1, m // p)
+    shell = type("Shell", (), {"pp_group_size": p, "_n_microbatches": m, "num_stages": p * v,
+                               "n_local_stages": v, "number_of_rounds": n_rounds,
+                               "microbatches_per_round": m // n_rounds})()
     out = []
 
     def add(a):
@@ -202,27 +209,51 @@ def _torch_v_order(schedule, rank, p, m):
                   kinds.BACKWARD_WEIGHT: WEIGHT}[a.computation_type]
             out.append(Action(op, a.stage_index, a.microbatch_index))
 
+    cls = getattr(ts, TORCH_CLASS[schedule])
     for a in cls._calculate_single_rank_operations(shell, rank):
         if a is not None:
             add(a)
     return out
 
 
+def _assert_torch_orders(schedule, p, v, m):
+    """The fixed orders are torch's, and promise at most the unit bubble of the list scheduler's
+    order for the same counts (DualPipeV: the same)."""
+    ours = zero_bubble_orders(schedule, p, v, m, True)
+    for rank in range(p):
+        assert list(ours[rank]) == _torch_order(schedule, rank, p, v, m), (p, v, m, rank)
+    v_shaped = schedule in V_SHAPED
+    listed = list_schedule(p, v, m, v_shaped, True, fixed_policy(schedule, p, v, m), unit_cost)
+    mine, theirs = (unit_bubble(o, p, p * v, v_shaped, True) for o in (ours, listed))
+    assert mine <= theirs + 1e-12, (p, v, m)
+    if schedule == "dualpipev":
+        assert mine == pytest.approx(theirs), (p, m)
+
+
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_orders_match_torch(schedule):
     """With m >= 2p the fixed ZBV and DualPipeV orders are torch's (uses a method of torch's
-    classes, so a torch upgrade that changes them shows here); each promises at most the bubble of
-    the list scheduler's order (DualPipeV: the same), which runs the smaller m."""
+    classes, so a torch upgrade that changes them shows here); the list scheduler runs the smaller
+    m."""
     for p in (1, 2, 3, 4):
         for m in (2 * p, 2 * p + 1, 12):
-            ours = zero_bubble_orders(schedule, p, 2, m, True)
-            for rank in range(p):
-                assert list(ours[rank]) == _torch_v_order(schedule, rank, p, m), (p, m, rank)
-            listed = list_schedule(p, 2, m, True, True, fixed_policy(schedule, p, 2, m), unit_cost)
-            mine, theirs = (unit_bubble(o, p, 2 * p, True, True) for o in (ours, listed))
-            assert mine <= theirs + 1e-12, (p, m)
-            if schedule == "dualpipev":
-                assert mine == pytest.approx(theirs), (p, m)
+            _assert_torch_orders(schedule, p, 2, m)
+
+
+def test_loop_orders_match_torch():
+    """The fixed ZB-H1 and interleaved zero-bubble orders are torch's ScheduleInterleavedZeroBubble
+    orders (ZB1P) at every count torch accepts (interleaved: m a multiple of the number of rounds),
+    below, at and above the stage count; rank 0's backwards are whole."""
+    for p in (1, 2, 3, 4):
+        for v in (1, 2, 3):
+            for m in range(1, 13):
+                n_rounds = max(1, m // p)
+                if v > 1 and m % n_rounds:
+                    continue
+                _assert_torch_orders("zbh1" if v == 1 else "interleaved_zb", p, v, m)
+    order = zero_bubble_orders("zbh1", 3, 1, 6, True)[0]
+    assert all(order[i + 1] == Action(WEIGHT, a.stage, a.mb) for i, a in enumerate(order)
+               if a.op == BACKWARD)
 
 
 def test_zbh1_memory_bound():

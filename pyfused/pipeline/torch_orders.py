@@ -7,20 +7,18 @@ microbatch counts, is zero_bubble.zero_bubble_orders's decision.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action
+from .actions import BACKWARD, FORWARD, WEIGHT, Action, rounds
 
 
-class _VOrder:
-    """One rank's order on a V, built phase by phase: ``down`` is stage ``rank``, ``up`` stage
-    ``2p-1-rank``. A *whole* backward is a B directly followed by its own W (the executor runs
-    the pair as one unsplit backward); any other B leaves its W waiting."""
+class _Order:
+    """One rank's order, built phase by phase from per-stage microbatch counters. A *whole*
+    backward is a B directly followed by its own W; any other B leaves its W waiting."""
 
-    def __init__(self, rank: int, p: int):
-        self.down, self.up = rank, 2 * p - 1 - rank
-        self.forwards = {self.down: 0, self.up: 0}
-        self.backwards = {self.down: 0, self.up: 0}
+    def __init__(self, stages: Sequence[int]):
+        self.forwards = {s: 0 for s in stages}
+        self.backwards = {s: 0 for s in stages}
         self.waiting: List[Action] = []
         self.order: List[Action] = []
 
@@ -41,6 +39,48 @@ class _VOrder:
 
     def done(self) -> Tuple[Action, ...]:
         return tuple(self.order + self.waiting)
+
+
+class _VOrder(_Order):
+    """A rank's order on a V: ``down`` is stage ``rank``, ``up`` stage ``2p-1-rank``."""
+
+    def __init__(self, rank: int, p: int):
+        self.down, self.up = rank, 2 * p - 1 - rank
+        super().__init__((self.down, self.up))
+
+
+def loop_zb_order(rank: int, p: int, v: int, m: int) -> Tuple[Action, ...]:
+    """ZB-H1 (``v = 1``) and interleaved zero bubble on the loop placement, in the phases torch's
+    ``ScheduleInterleavedZeroBubble`` uses (the paper's ZB1P; ``m`` a multiple of the number of
+    rounds when ``v > 1``). Local stages take turns, ``mpr`` microbatches each (``rounds``), as in
+    interleaved 1F1B:
+
+      1. ``(v-1) * mpr + p-1-r`` forwards (one per hop to the last rank, where interleaved 1F1B
+         takes two);
+      2. the steady state, until every forward has run: a forward, a B (stages in reverse turn);
+      3. the remaining B's;
+      4. the waiting W's.
+    In phases 2 and 3 every B from the ``r+1``-th on is followed by the oldest waiting W, so rank
+    ``r`` keeps ``r`` W's back to fill its wait in the drain, and rank 0's backwards are whole.
+    With unit costs its bubble is at most the list scheduler's order's (tested)."""
+    _, mpr = rounds(p, m)
+    total = v * m
+    warmup = min(total, (v - 1) * mpr + p - 1 - rank)
+
+    def stage(k: int, reverse: bool) -> int:
+        turn = (k // mpr) % v
+        return ((v - 1 - turn) if reverse else turn) * p + rank
+
+    o = _Order([j * p + rank for j in range(v)])
+    for k in range(warmup):
+        o.forward(stage(k, False))
+    for k in range(total):
+        if warmup + k < total:
+            o.forward(stage(warmup + k, False))
+        o.backward(stage(k, True), False)
+        if k >= rank:
+            o.weight()
+    return o.done()
 
 
 def zbv_order(rank: int, p: int, m: int) -> Tuple[Action, ...]:
@@ -121,5 +161,19 @@ def dualpipev_order(rank: int, p: int, m: int) -> Tuple[Action, ...]:
     return o.done()
 
 
-# V schedules whose fixed order is torch's for m >= 2p (whole backwards in the steady state)
-TORCH_V_ORDERS = {"zbv": zbv_order, "dualpipev": dualpipev_order}
+def torch_phase_orders(schedule: str, p: int, v: int, m: int
+                       ) -> Optional[Dict[int, Tuple[Action, ...]]]:
+    """Every rank's training order in torch's phases, or None where the list scheduler builds it:
+    ZBV and DualPipeV below ``m = 2p``, and interleaved zero bubble with ``m`` not a multiple of
+    the number of rounds (torch refuses that count)."""
+    if schedule in ("zbv", "dualpipev"):
+        if m < 2 * p:
+            return None
+        build = zbv_order if schedule == "zbv" else dualpipev_order
+        return {r: build(r, p, m) for r in range(p)}
+    if schedule in ("zbh1", "interleaved_zb"):
+        n_rounds, _ = rounds(p, m)
+        if v > 1 and m % n_rounds:
+            return None
+        return {r: loop_zb_order(r, p, v, m) for r in range(p)}
+    return None

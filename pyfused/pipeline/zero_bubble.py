@@ -28,9 +28,13 @@ memory bound and pairing:
                             together run as one pair
   ============== ========== ============================================ ==========================
 
-ZBV and DualPipeV with ``m >= 2p`` take torch's orders instead (torch_orders.py:
-whole backwards in the steady state, W's deferred for the drain), whose unit-model bubbles are at
-most the list scheduler's (tested).
+Where torch's schedule of the same name accepts the counts, the fixed training orders are torch's
+instead (torch_orders.py): ZB-H1 and interleaved ZB at every count torch accepts (interleaved: ``m``
+a multiple of the number of rounds), ZBV and DualPipeV with ``m >= 2p``. They run whole backwards
+where a rank has no wait to fill (rank 0 of the loop schedules, the steady state of the V ones) and
+defer W's only for the drain; their unit-model bubbles are at most the list scheduler's (tested).
+The list scheduler builds the other counts, the forward-only orders, and, with measured durations,
+the cost orders (cost_orders.py).
 
 The orders are static (every rank computes all of them from ``(schedule, p, v, m)``); the unit model
 only decides them. ``plan.simulate`` then proves the transfer plan deadlock-free, and
@@ -44,7 +48,7 @@ from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .actions import BACKWARD, FORWARD, SPLIT_BACKWARD, V_SHAPED, WEIGHT, Action, rounds, stage_rank
-from .torch_orders import TORCH_V_ORDERS
+from .torch_orders import torch_phase_orders
 
 UNIT = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 UNSPLIT = {FORWARD: 1.0, BACKWARD: 2.0}  # a full backward: input and weight gradients
@@ -111,8 +115,9 @@ def unit_cost(a: Action) -> float:
 def zero_bubble_orders(schedule: str, p: int, v: int, m: int, backward: bool
                        ) -> Dict[int, Tuple[Action, ...]]:
     """Every rank's fixed order for one of ``SPLIT_BACKWARD`` (see the module docstring)."""
-    if schedule in TORCH_V_ORDERS and backward and m >= 2 * p:
-        return {r: TORCH_V_ORDERS[schedule](r, p, m) for r in range(p)}
+    torch_orders = torch_phase_orders(schedule, p, v, m) if backward else None
+    if torch_orders is not None:
+        return torch_orders
     policy = fixed_policy(schedule, p, v, m)
     return list_schedule(p, v, m, schedule in V_SHAPED, backward, policy, unit_cost)
 
