@@ -65,6 +65,20 @@ def ranks():
     ``fn`` must be a module-level function (it is pickled by name into spawned ranks). Pools of ranks
     are reused across the whole session; see tests/dist_pool.py.
     """
-    pools = Pools()
+    pools = _session_pools.setdefault("pools", Pools())
     yield pools
     pools.close()
+    _session_pools.clear()
+
+
+_session_pools: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _recycle_crowded_pools():
+    """After each test: replace the rank pools crowded with the gloo groups earlier tests made
+    (tests/dist_pool.py)."""
+    yield
+    pools = _session_pools.get("pools")
+    if pools is not None:
+        pools.recycle_crowded()

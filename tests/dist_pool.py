@@ -6,9 +6,14 @@ bodies: ``pool.run(fn, *args)`` sends ``fn`` (a module-level function, pickled b
 calls ``fn(rank, world_size, *args)`` there and returns the per-rank results in rank order.
 
 Spawning and joining a group costs seconds, so a pool is kept for the whole test run and reused by
-every test of its world size. A test body that raises on some rank, or a rank that does not answer
-within ``timeout`` (a hang), fails the test with every rank's traceback and the pool is torn down --
-the group may be inconsistent -- and rebuilt for the next test.
+every test of its world size. Every gloo group a test body creates (a DeviceMesh makes one per dim)
+lives on in its ranks with a socket thread that wakes every 10 ms; hundreds of them make idle ranks
+take a core of the machine. So between tests (``Pools.recycle_crowded``) a pool whose ranks hold
+more than ``MAX_GLOO_LOOPS`` such threads is closed, and the next test of its size starts a new one.
+
+A test body that raises on some rank, or a rank that does not answer within ``timeout`` (a hang),
+fails the test with every rank's traceback and the pool is torn down -- the group may be
+inconsistent -- and rebuilt for the next test.
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ from typing import Any, Callable, List
 GROUP_TIMEOUT_S = 90
 # Once one rank has failed, how long to wait for the others to report before calling them stuck.
 GRACE_S = 10
+# gloo's socket threads (one per group, polling every 10 ms) a rank may hold before its pool is
+# replaced between tests: about 3% of a core per rank at this count.
+MAX_GLOO_LOOPS = 64
 
 
 def _free_port() -> int:
@@ -127,6 +135,25 @@ class RankPool:
             raise RankFailure("".join(f"\n--- rank {r} raised:\n{v}" for r, v in errors))
         return [v for _, v in got]
 
+    def gloo_loops(self) -> int:
+        """The most gloo socket threads (``gloo_tcp_loop``) any rank holds; 0 where /proc is not
+        readable."""
+        most = 0
+        for p in self._procs:
+            try:
+                tasks = os.listdir(f"/proc/{p.pid}/task")
+            except OSError:
+                continue
+            count = 0
+            for t in tasks:
+                try:
+                    with open(f"/proc/{p.pid}/task/{t}/comm") as f:
+                        count += f.read().strip() == "gloo_tcp_loop"
+                except OSError:
+                    pass
+            most = max(most, count)
+        return most
+
     def stop(self) -> None:
         """Ask every rank to leave (it destroys its group and exits); ``close`` waits for them."""
         self.healthy = False
@@ -159,6 +186,14 @@ class Pools:
         if pool is None or not pool.healthy:
             pool = self._pools[world_size] = RankPool(world_size, self.backend)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def recycle_crowded(self, limit: int = MAX_GLOO_LOOPS) -> None:
+        """Close the pools whose ranks hold more than ``limit`` gloo socket threads (module
+        docstring); call it between tests only."""
+        for world_size, pool in list(self._pools.items()):
+            if pool.healthy and pool.gloo_loops() > limit:
+                pool.close()
+                del self._pools[world_size]
 
     def close(self) -> None:
         for pool in self._pools.values():  # every pool's ranks exit at once, then each is joined
