@@ -16,11 +16,12 @@ by ``PYFUSED_HOST``, or in the test's process where one rank is left). Every che
 complete holds every byte its DCP metadata names; those after the resumed step were written again
 by the smaller job.
 
-By default one compact case runs (``test_training_survives_a_killed_host``): 2 hosts x 1 rank
-(dp=2 across the hosts), host 1 killed, the job re-formed on host 0 alone (dp=1); the reference
-run starts as soon as the checkpoint to resume from is known, while torchrun re-forms the job.
-Nearly all of its time is starting processes: 2 agents and 2 ranks importing torch and
-transformers, then 1 rank again.
+By default the compact cases run: 2 hosts x 1 rank (dp=2 across the hosts), host 1 killed
+(``test_training_survives_a_killed_host``), or its link cut or its processes frozen with a 30 s
+group timeout (``test_training_survives_a_host_cut_off_or_frozen``), the job re-formed on host 0
+alone (dp=1); the reference run starts as soon as the checkpoint to resume from is known, while
+torchrun re-forms the job. Besides a cut or frozen host's timeout, nearly all of their time is
+starting processes: 2 agents and 2 ranks importing torch and transformers, then 1 rank again.
 
 The full matrix runs with ``PYFUSED_FULL_FAULT_MATRIX=1`` (2-4 minutes a case on the 2-core box,
 more than CI's 25-minute budget leaves): 3 hosts x 2 ranks, dp=3 x tp=2 (each host one
@@ -40,7 +41,7 @@ import re
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -54,7 +55,6 @@ pytestmark = pytest.mark.slow
 
 TRAIN_LLM = M.REPO / "examples" / "train_llm.py"
 SAVE_EVERY = 2
-GROUP_TIMEOUT_S = 60  # --timeout: also bounds how far apart the ranks may arrive at start-up
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,15 @@ class Job:
     tp: int
     steps: int
     strike_after: int
+    # --timeout: how long a survivor's collective waits for a cut or frozen host; it also bounds
+    # how far apart the ranks may arrive at start-up
+    group_timeout_s: int = 60
+
+    def raise_within(self, case: str) -> float:
+        """Upper bound, generous to a loaded machine, on the survivors' ``PeerFailure`` after the
+        strike: a killed host's sockets close at once; a cut or frozen one is noticed when a
+        survivor's collective times out."""
+        return self.group_timeout_s + (0 if case == "kill" else 45)
 
     @property
     def world_after(self) -> int:
@@ -86,14 +95,13 @@ FULL_JOB = Job(hosts=3, per_host=2, tp=2, steps=30, strike_after=5)
 # The smallest job that still loses a host: one rank per host, dp=2 across the hosts, then dp=1 on
 # the host left; fewer processes to start, twice (4, then 1), and fewer steps to train and compare.
 COMPACT_JOB = Job(hosts=2, per_host=1, tp=1, steps=8, strike_after=3)
+# The same job cut off or frozen: the survivor waits out its group timeout, shortened to 30 s
+# (two ranks launched together arrive at start-up within seconds of each other)
+COMPACT_TIMEOUT_JOB = replace(COMPACT_JOB, group_timeout_s=30)
 # A dead agent is dropped 5 s after its last heartbeat (keep_alive_*); a round with fewer than all
 # hosts closes 5 s after the first one joined (last_call_timeout; torchrun's defaults: 15 s, 30 s).
 ELASTIC = mt.Elastic(min_nodes=1, max_restarts=3, rdzv_conf=(
     "keep_alive_interval=1", "keep_alive_max_attempt=5", "last_call_timeout=5"))
-# Upper bounds, generous to a loaded machine: a killed host's sockets close at once; a cut or frozen
-# one is noticed when a survivor's collective times out.
-RAISE_WITHIN_S = {"kill": GROUP_TIMEOUT_S, "cut": GROUP_TIMEOUT_S + 45,
-                  "freeze": GROUP_TIMEOUT_S + 45}
 START_WITHIN_S, RESUME_WITHIN_S, FINISH_WITHIN_S = 400, 400, 300
 STRIKES: Dict[str, Callable[[mt.Testbed, int], object]] = {
     "kill": mt.Testbed.kill_host, "cut": mt.Testbed.cut_link, "freeze": mt.Testbed.freeze_host}
@@ -107,6 +115,14 @@ MESH = re.compile(r"^mesh dp=(\d+) x pp=1 x tp=\d+ \(world (\d+).*?(?:starting a
 def test_training_survives_a_killed_host(tmp_path, ranks):
     """The compact case, run by default: host 1 of 2 killed, the job re-formed on host 0."""
     _check_host_loss(COMPACT_JOB, "kill", 1, tmp_path, ranks)
+
+
+@pytest.mark.parametrize("case", ["cut", "freeze"])
+@pytest.mark.timeout(START_WITHIN_S + RESUME_WITHIN_S + FINISH_WITHIN_S + 300)
+def test_training_survives_a_host_cut_off_or_frozen(case, tmp_path, ranks):
+    """The compact job again, host 1's link cut or its processes stopped: host 0's rank raises
+    when its collective times out, and the job re-forms on host 0."""
+    _check_host_loss(COMPACT_TIMEOUT_JOB, case, 1, tmp_path, ranks)
 
 
 @pytest.mark.parametrize("case,lost", [
@@ -143,7 +159,7 @@ def _check_host_loss(job: Job, case: str, lost: int, tmp_path: Path, ranks) -> N
               f"at step {run['resumed_step']} on {job.world_after} ranks, trained its first step "
               f"{run['resumed_after']:.1f} s and finished {run['finished_after']:.1f} s after "
               f"the strike; messages: {run['messages']}")
-        assert max(run["raised"].values()) <= RAISE_WITHIN_S[case], run["raised"]
+        assert max(run["raised"].values()) <= job.raise_within(case), run["raised"]
         resumed = run["resumed_step"]
         assert resumed == run["newest_complete"] and resumed >= SAVE_EVERY, run
         reference_losses = run["reference"].result()  # raises what the reference run raised
@@ -167,7 +183,7 @@ def _run_and_strike(job: Job, case: str, lost: int, tmp_path: Path, ckpt: Path, 
     reference run from the checkpoint the re-formed job must resume from, as soon as it is known
     (it then runs while torchrun re-forms the job, which leaves the cores idle at first)."""
     argv = [str(TRAIN_LLM), *job.train_args(), "--save-every", str(SAVE_EVERY), "--ckpt-dir",
-            str(ckpt), "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
+            str(ckpt), "--metrics-file", str(metrics), "--timeout", str(job.group_timeout_s)]
     # several agents: each worker group makes its own store (docs/CHECKPOINT.md); the agents log
     # their restarts and rendezvous rounds (torchrun's LOGLEVEL), which a failure's log tails show
     env = dict(M.worker_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")
@@ -188,7 +204,7 @@ def _run_and_strike(job: Job, case: str, lost: int, tmp_path: Path, ckpt: Path, 
         trained_after = struck - launched
         STRIKES[case](bed, lost)
         raised = _wait_for_peer_failures(launch, marks, survivors, struck,
-                                         RAISE_WITHIN_S[case] + 60)
+                                         job.raise_within(case) + 60)
         # no save completes once the survivors failed: this is the checkpoint to resume from
         newest_complete = max((_step(d) for d in _complete(ckpt)), default=0)
         reference_run = reference(newest_complete)
@@ -308,7 +324,7 @@ def _reference_losses(ranks, job: Job, ckpt: Path, step: int, metrics: Path) -> 
     folder = metrics.parent / "reference_ckpt"
     shutil.copytree(ckpt / f"step_{step:06d}", folder / f"step_{step:06d}")
     argv = [*job.train_args(), "--ckpt-dir", str(folder), "--resume", f"step_{step:06d}",
-            "--metrics-file", str(metrics), "--timeout", str(GROUP_TIMEOUT_S)]
+            "--metrics-file", str(metrics), "--timeout", str(job.group_timeout_s)]
     if job.world_after == 1:
         _train_in_this_process(str(TRAIN_LLM), argv)
     else:
