@@ -18,6 +18,7 @@ identical on every rank after the all-reduce, so no communication is needed).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, Iterable, List, Union
 
 import torch
@@ -40,8 +41,9 @@ def clip_grad_norm_(parameters: Union[nn.Module, Tensor, Iterable[Tensor]], max_
     owners: Dict[int, tuple] = {}  # id(owner) -> (owner, set of param indices), in first-seen order
     plain: List[Tensor] = []
     for p in params:
-        ref = getattr(p, "_pyfused_shard_owner", None)
-        owner = ref() if ref is not None else None
+        owner = getattr(p, "_pyfused_shard_owner", None)
+        if isinstance(owner, weakref.ref):  # DDP's sharded state: it holds its parameters
+            owner = owner()
         if owner is None:
             plain.append(p)
             continue

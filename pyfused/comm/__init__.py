@@ -23,6 +23,7 @@ from .group import (
 )
 from .streams import comm_stream, join_comm_stream, keep_alive, on_comm_stream
 from .symmetric import SymmetricBuffer, SymmetricUnavailable, symmetric_status
+from .teardown import release_destroyed_groups
 from .topology import HostLayout, TopologyError, forget_layouts, host_layout, host_mesh, local_host
 from .validate import (
     MODES as VALIDATION_MODES,
@@ -48,7 +49,8 @@ __all__ = [
     "LOCAL", "GroupError", "all_gather_single", "reduce_scatter_single", "InputError", "Signature",
     "TensorMeta", "agree", "comm_device",
     "comm_stream", "differs", "exchange", "global_rank", "group_from_name", "group_name",
-    "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "resolve_group",
+    "join_comm_stream", "keep_alive", "on_comm_stream", "op_code", "rank", "release_destroyed_groups",
+    "resolve_group",
     "set_validation", "validation_enabled", "validation_mode", "VALIDATION_MODES", "forget_seen",
     "wait_bounded", "world_size",
 ]

@@ -40,8 +40,6 @@ hangs.
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import zlib
 from dataclasses import dataclass
@@ -132,26 +130,6 @@ def forget_seen() -> None:
     The plan cache (pyfused/comm/plans.py), which only accelerates this record, is cleared too."""
     _seen.clear()
     plans.clear()
-
-
-def release_destroyed_groups() -> None:
-    """Let the process groups that ``destroy_process_group`` removed from torch's registry be
-    destroyed now, while the interpreter still runs: forget the records that hold them (``_seen``
-    and the plan cache key calls by group) and collect the garbage cycles (modules, optimizers)
-    that still point at them. Run at interpreter exit.
-
-    A group's backend joins its worker threads when it is destroyed. Left to the interpreter's
-    finalization, a gloo worker that drops a finished collective's last reference to a Python
-    tensor then cannot take the GIL, and the process aborts ("terminate called without an active
-    exception") after a clean run. While torch still holds groups (no ``destroy_process_group``)
-    nothing is done: they live until torch lets them go."""
-    if dist.is_available() and dist.is_initialized():
-        return
-    forget_seen()
-    gc.collect()
-
-
-atexit.register(release_destroyed_groups)
 
 
 _op_codes: Dict[str, int] = {}

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -252,7 +253,14 @@ class Reducer:
                     self._mark_ready(i)
 
     def _make_hook(self, i: int):
+        # Weak: the hook lives on the parameter, in autograd state the garbage collector cannot
+        # see, so a strong reference would keep the reducer and its process group alive forever.
+        reducer = weakref.ref(self)
+
         def hook(param):
+            self = reducer()
+            if self is None:
+                return
             if self.expect_hooks:
                 self._on_grad_ready(i)
             elif param.grad is not None:

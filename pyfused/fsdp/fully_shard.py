@@ -64,19 +64,24 @@ class ShardOwner:
     def __init__(self, pg, world: int, device: torch.device):
         self.pg, self.world, self.device = pg, world, device
         self.index: Dict[int, int] = {}
-        self._params: List[weakref.ref] = []  # weak: the owner outlives the models it served
+        self._params: List[weakref.ref] = []  # weak: the parameters hold their owner
+
+    def __deepcopy__(self, memo):  # a copied parameter keeps its owner, as it keeps its group
+        return self
 
     def add(self, param: nn.Parameter) -> None:
         self.index[id(param)] = len(self._params)
         self._params.append(weakref.ref(param))
-        param._pyfused_shard_owner = weakref.ref(self)
+        param._pyfused_shard_owner = self  # the parameters keep their owner (and its group) alive
 
     def shard_grads(self, indices) -> List[torch.Tensor]:
         params = (self._params[i]() for i in sorted(indices))
         return [p.grad._local_tensor for p in params if p is not None and p.grad is not None]
 
 
-_owners: Dict[tuple, ShardOwner] = {}
+# One owner per (group, device), while parameters it serves live: a destroyed process group is not
+# held here past its models.
+_owners: "weakref.WeakValueDictionary[tuple, ShardOwner]" = weakref.WeakValueDictionary()
 
 
 class Tree:
@@ -370,7 +375,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: Optional
     mesh_mod.host_warning(sm)
 
     key = (pg, device)
-    owner = _owners.setdefault(key, ShardOwner(pg, world, device))
+    owner = _owners.get(key)
+    if owner is None:
+        owner = _owners[key] = ShardOwner(pg, world, device)
     params = []
     for p, owners, _ in entries:
         compute = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype

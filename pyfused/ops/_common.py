@@ -131,19 +131,12 @@ class Choice:
     reason: str
 
 
-# A ProcessGroup passed as ``group`` -> what ``_resolve`` made of it (its membership cannot change).
-_RESOLVED: dict = {}
-
-
 def _resolve(group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], bool]:
     """(the group to run on, the group to exchange over, whether this rank is a member). A rank
     outside the group it passed exchanges over the default group, where the others can hear it."""
     if group is None:  # the default group (or none): every rank is a member
         pg = comm.resolve_group(None)
         return pg, pg, True
-    hit = _RESOLVED.get(group) if isinstance(group, dist.ProcessGroup) else None
-    if hit is not None:
-        return hit
     try:
         pg = comm.resolve_group(group)
     except comm.GroupError:
@@ -151,13 +144,9 @@ def _resolve(group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessG
     else:
         in_group = pg is None or comm.rank(pg) >= 0
     if in_group:
-        resolved = pg, pg, True
-    else:
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        resolved = None, world, False
-    if isinstance(group, dist.ProcessGroup):
-        _RESOLVED[group] = resolved
-    return resolved
+        return pg, pg, True
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return None, world, False
 
 
 Check = Callable[[List[CallSignature], int, Tuple[str, ...]], Optional[str]]
