@@ -29,6 +29,7 @@ import gc
 import sys
 import types
 
+import torch
 import torch.distributed as dist
 
 from .topology import forget_layouts
@@ -65,14 +66,18 @@ def _release_torch_references() -> None:
                         isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
                     fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
                                             for d in fn.__defaults__)
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor import _redistribute, debug
-
-        # DTensor's other caches (torch internals: skipped where this torch lacks them)
-        for clear in (getattr(debug, "_clear_sharding_prop_cache", None),  # per thread, and C++
-                      getattr(_redistribute, "clear_redistribute_planner_cache", None)):
-            if clear is not None:
-                clear()
+    # DTensor's other caches, where DTensor was used (torch internals: skipped where this torch
+    # lacks them; torch.distributed.tensor.debug clears the same but takes a second to import)
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dispatcher = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    for clear in (getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+                  if api is not None else None,
+                  getattr(redistribute, "clear_redistribute_planner_cache", None)):
+        if clear is not None:
+            clear()
 
 
 _LRU_CACHE = type(functools.lru_cache(None)(lambda: None))
