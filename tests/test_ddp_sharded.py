@@ -170,6 +170,20 @@ def test_wrap_optimizer_errors_on_every_rank(ranks, case, expect):
         assert errs[0]["msg"].endswith("(rank 1)"), errs[0]["msg"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_any_nonfinite_finds_one_bad_element_anywhere(dtype):
+    from pyfused.dp.sharded import any_nonfinite
+
+    cpu = torch.device("cpu")
+    clean = [torch.randn(1000).to(dtype), torch.empty(0, dtype=dtype), torch.randn(7).to(dtype)]
+    assert not any_nonfinite(clean, cpu) and not any_nonfinite([], cpu)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for which, at in ((0, 0), (0, 517), (0, 999), (2, 6)):
+            tensors = [t.clone() for t in clean]
+            tensors[which][at] = bad
+            assert any_nonfinite(tensors, cpu), (bad, which, at)
+
+
 def _fp16_scaler(rank, world, plain):
     """fp16 autocast + loss scaling: sharded pyfused == torch DDP with GradScaler, including a step
     where an overflow lands in one rank's shard only (every rank must skip that step, so found_inf
