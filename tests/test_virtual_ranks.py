@@ -351,3 +351,11 @@ def test_streams_fit_the_hardware_queues():
     assert push_slots(7, 2) == [1, 2, 1, 2, 1, 2, 1]  # 7 peers' pushes on 2 streams in turn
     assert push_slots(3, None) == push_slots(3, 5) == [1, 2, 3]
     assert _group(3).push_limit is None  # CPU: no streams
+    from pyfused.testing.virtual_ranks import queue_slots
+
+    for w in (1, 2, 3, 4, 8):
+        limit = push_streams_per_rank(w, 32)
+        slots = queue_slots(w, limit)
+        flat = [i for rank in slots for i in rank]
+        assert len(flat) == len(set(flat)) == w * (2 + limit)  # a queue of its own each
+        assert max(flat) < 32 - 2 and [rank[0] for rank in slots] == list(range(w))

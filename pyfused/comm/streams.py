@@ -51,6 +51,14 @@ def push_slots(count: int, limit: Optional[int]) -> List[int]:
     return [1 + i % distinct for i in range(count)]
 
 
+def assign(owner: Hashable, device: torch.device, side: List["torch.cuda.Stream"]) -> None:
+    """Give ``owner`` these side streams of ``device``: ``side[0]`` its comm stream, the rest its
+    push streams (virtual ranks, whose streams must each have a hardware queue of their own)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for slot, stream in enumerate(side):
+        _streams[(index, owner, slot)] = stream
+
+
 def forget_owner(owner: Hashable) -> None:
     """Drop the cached side streams of ``owner`` (a virtual rank that is done)."""
     for key in [k for k in _streams if k[1] == owner]:

@@ -159,6 +159,62 @@ def push_streams_per_rank(world: int, connections: int) -> int:
     return min(world - 1, spare // world)
 
 
+def queue_slots(world: int, push_limit: int) -> List[List[int]]:
+    """Rank r's streams as indices into the group's stream batch (``queue_streams``): its own
+    stream ``r``, then its comm stream and its ``push_limit`` push streams, after all ranks' own
+    streams. Every index is distinct, so every stream of the group has a queue of its own."""
+    side = 1 + push_limit
+    return [[r] + [world + r * side + slot for slot in range(side)] for r in range(world)]
+
+
+HIGH_PRIORITY = -1  # the priority of torch's high-priority stream pool (torch.cuda.Stream(priority=-1))
+_QUEUE_STREAMS: Dict[int, List["torch.cuda.ExternalStream"]] = {}
+_QUEUE_STREAMS_LOCK = threading.Lock()
+
+
+def queue_streams(device: torch.device) -> List["torch.cuda.ExternalStream"]:
+    """``device_connections()`` streams of ``device``, created one after another, once per process.
+
+    The driver hands its hardware queues to streams in turn as they are created. torch's stream
+    pool creates its streams of every priority interleaved (32 per priority), so the streams of one
+    priority land on a fraction of the queues, and a group's rank, comm and push streams taken from
+    the pool would share queues whatever ``CUDA_DEVICE_MAX_CONNECTIONS`` says. A batch created back
+    to back takes every queue once. Created through the driver API (``cuda.bindings``, a torch
+    dependency on Linux) as non-blocking, high-priority streams, like the pool's; they live as long
+    as the process, as the pool's do."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _QUEUE_STREAMS_LOCK:
+        if index not in _QUEUE_STREAMS:
+            _QUEUE_STREAMS[index] = [torch.cuda.ExternalStream(handle, device=device)
+                                     for handle in _create_streams(index, device_connections())]
+        return _QUEUE_STREAMS[index]
+
+
+def _create_streams(index: int, count: int) -> List[int]:
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise RuntimeError("virtual ranks on CUDA create their streams through cuda.bindings "
+                           "(pip install cuda-bindings; torch on Linux depends on it)") from e
+
+    def check(result):
+        err, *values = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed while creating virtual-rank streams: {err}")
+        return values[0] if len(values) == 1 else values
+
+    torch.cuda.init()  # the primary context exists before it is retained here
+    check(driver.cuInit(0))
+    context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(index))))
+    check(driver.cuCtxPushCurrent(context))
+    try:
+        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+        return [int(check(driver.cuStreamCreateWithPriority(flags, HIGH_PRIORITY)))
+                for _ in range(count)]
+    finally:
+        check(driver.cuCtxPopCurrent())
+
+
 def default_sm_budget(world: int, device: torch.device) -> int:
     """About SMs / W programs per rank (at least 1); the interpreter's default on CPU."""
     if device.type != "cuda":
@@ -185,13 +241,17 @@ class VirtualGroup:
         self.name = f"virtual{next(_group_ids)}"
         self.sm_budget = sm_budget or default_sm_budget(world, device)
         self.ranks = [VirtualRank(self, r) for r in range(world)]
-        # On CUDA: distinct push streams per rank that fit the hardware queues, and the ranks'
-        # streams from the same (high-priority) pool of torch's streams as their side streams, so
-        # that the group's streams are distinct streams of one pool.
+        # On CUDA: distinct push streams per rank that fit the hardware queues, and every stream of
+        # the group -- each rank's own, comm and push streams -- one of the batch that takes each
+        # queue once (queue_streams), so no rank's kernel queues behind another stream's.
         self.push_limit = (push_streams_per_rank(world, device_connections())
                            if device.type == "cuda" else None)
-        self.streams = ([torch.cuda.Stream(device, priority=-1) for _ in range(world)]
-                        if device.type == "cuda" else [None] * world)
+        self.streams: List[Optional["torch.cuda.Stream"]] = [None] * world
+        if device.type == "cuda":
+            batch = queue_streams(device)
+            for r, slots in enumerate(queue_slots(world, self.push_limit)):
+                self.streams[r] = batch[slots[0]]
+                streams.assign(self._owner(r), device, [batch[i] for i in slots[1:]])
         self._lock = threading.Lock()
         self._sizes: Dict[int, _SizeClass] = {}
         self._preloaded: set = set()  # (fn, argument signature) whose kernels are loaded
