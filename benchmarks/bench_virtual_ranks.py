@@ -13,11 +13,14 @@ Shapes: a Llama-3 70B TP=8 rank's GEMM (rows per rank 512, N 1280, K 8192: the Q
 its hidden size 8192 for all_reduce_add_rmsnorm (512 rows); ``--quick``: 128 rows. bf16 by default.
 On CPU the fused kernels would run in the interpreter: the suite emits ``skipped`` rows.
 
+``PYFUSED_VR_WORLDS=8`` (comma-separated) measures only those W (a device call short of time).
+
 ``python benchmarks/bench_virtual_ranks.py --warm`` runs every case once at every W in bf16 and fp16
 at the test and benchmark shapes: it fills the Triton cache that benchmarks/gpu_check.sh carries.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from typing import Dict, List
@@ -44,6 +47,17 @@ def _cases():
     from pyfused.testing.virtual_cases import cases
 
     return cases(OPS.values())
+
+
+def _worlds() -> List[int]:
+    """The W to measure: ``PYFUSED_VR_WORLDS`` (e.g. "8" or "4,8"), else every one of WORLDS."""
+    text = os.environ.get("PYFUSED_VR_WORLDS", "").strip()
+    if not text:
+        return list(WORLDS)
+    worlds = [int(w) for w in text.split(",")]
+    if not set(worlds) <= set(WORLDS):
+        raise ValueError(f"PYFUSED_VR_WORLDS={text!r}: each W must be one of {WORLDS}")
+    return worlds
 
 
 def _shape(case, quick: bool) -> Dict[str, int]:
@@ -93,7 +107,7 @@ def run(ctx: BenchContext) -> List[dict]:
                        status=SKIP_STATUS, case=name, world=w)
                 for name in CASES for w in WORLDS for m in ("unfused", "fused")]
     rows = []
-    for w in WORLDS:
+    for w in _worlds():
         group = VirtualGroup(w, ctx.device)
         try:
             for name, case in CASES.items():

@@ -74,10 +74,11 @@ env         10  gpu_env
 install     60  gpu_install
 cache       10  gpu_unpack_cache
 overhead_w1 100 $BENCH --suites overhead --world 1 --timeout 30 --suite-timeout 70 --out $RES/overhead
+bench_vr8   70  PYFUSED_VR_WORLDS=8 $BENCH --suites virtual_ranks --dtype bfloat16 --timeout 25 --suite-timeout 40 --out $RES/bench_virtual_ranks_w8
 virtual_fp16 60 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and fp16"
 symm_probe  25  set -o pipefail; $PY benchmarks/probe_symm_mem.py | tee -a $RES/env.txt
 symm_w2     40  PYFUSED_TEST_BACKEND=nccl $PYTEST -m gpu tests/test_symmetric.py -k w2
-memcheck_w2 50  $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
+memcheck_w2 100 $SANITIZER --tool memcheck $PY benchmarks/sanitize_fused.py --world 2 --iters 1
 pack        10  gpu_pack_cache
 EOF
   ;;

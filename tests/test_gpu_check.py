@@ -142,7 +142,7 @@ def test_a_call_records_every_step_and_returns_files(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
     rcs = dict(re.findall(r"^(\w+) +rc=(\d+)", summary, re.M))
-    assert set(rcs) == {"env", "install", "cache", "overhead_w1", "virtual_fp16", "symm_probe",
+    assert set(rcs) == {"env", "install", "cache", "overhead_w1", "bench_vr8", "virtual_fp16", "symm_probe",
                         "symm_w2", "memcheck_w2", "pack"}, summary
     assert rcs["install"] != "0" and rcs["memcheck_w2"] != "0", summary
     # the cache step unpacks what this checkout carries, if it carries one

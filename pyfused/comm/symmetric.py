@@ -225,7 +225,12 @@ class SymmetricBuffer:
         self.key = key
         self._mapping: Optional[Mapping] = mapping
         self._epoch = 0
+        # The device copies of the pointer tables are made here, once. Made at a call's first
+        # kernel instead, they would be a host-synchronizing copy in the middle of a call; virtual
+        # ranks share one context, and a rank blocked there while its peers' kernels spin waiting
+        # for it never launches its own.
         self._ptr_tables: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._ptr_tables = self._tables()
         self.extras: Dict[Any, Any] = {}  # per-buffer caches of the fused ops (pointer tables ...)
 
     # -- creation and release -----------------------------------------------------------------
