@@ -318,7 +318,7 @@ def _sleep_on_rank_one(handle, seconds):
     return handle.rank
 
 
-def test_a_late_rank_thread_shows_where_it_is(monkeypatch, capsys):
+def test_a_late_rank_thread_shows_where_it_is(monkeypatch, capfd):
     """A rank thread still busy at half the fused timeout (on a GPU: blocked behind a peer's
     spinning kernel, which traps at the timeout and ends the process) prints its stack first."""
     monkeypatch.setenv("PYFUSED_FUSED_TIMEOUT_MS", "200")
@@ -328,7 +328,7 @@ def test_a_late_rank_thread_shows_where_it_is(monkeypatch, capsys):
         assert group.launch(_sleep_on_rank_one, [(0.0,), (0.0,)]) == [0, 1]  # the same threads
     finally:
         group.free()
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.count("still busy after 0.1 s") == 1, err
     assert "--- rank 1:" in err and "_sleep_on_rank_one" in err and "--- rank 0:" not in err
 
@@ -359,3 +359,37 @@ def test_streams_fit_the_hardware_queues():
         flat = [i for rank in slots for i in rank]
         assert len(flat) == len(set(flat)) == w * (2 + limit)  # a queue of its own each
         assert max(flat) < 32 - 2 and [rank[0] for rank in slots] == list(range(w))
+
+
+def _gemm_settings(handle):
+    return torch._C._get_sm_carveout_experimental(), str(torch.backends.cuda.preferred_blas_library())
+
+
+def test_torch_gemm_budget_is_a_no_op_on_cpu():
+    before = _gemm_settings(None)
+    group = _group(2)
+    try:
+        with group.torch_gemms_in_budget():
+            assert _gemm_settings(None) == before
+        assert group.launch(_gemm_settings) == [before, before]
+    finally:
+        group.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_torch_gemms_target_the_rank_budget(monkeypatch):
+    """A rank's torch GEMMs run on cuBLASLt with the SM count target of the group's budget, in the
+    call and in the unfused composition; the process's settings come back after."""
+    before = _gemm_settings(None)
+    group = _group(4, "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        seen = group.run(_gemm_settings)
+        assert all(carveout == sms - group.sm_budget and "Cublaslt" in library
+                   for carveout, library in seen), seen
+        assert _gemm_settings(None) == before
+        monkeypatch.setenv("PYFUSED_VR_TORCH_GEMM_BUDGET", "0")
+        assert group.run(_gemm_settings) == [before] * 4
+    finally:
+        group.free()

@@ -258,6 +258,7 @@ class VirtualGroup:
         self._threads: List[_RankThread] = []  # one long-lived host thread per rank
         self._reserve_bytes = reserve_bytes
         self._reserved = device.type != "cuda"
+        self._started: List[Optional["torch.cuda.Event"]] = [None] * world  # the last call's
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -357,9 +358,8 @@ class VirtualGroup:
             event.wait(max(0.0, min(hint, timeout_s) - (time.monotonic() - start)))
         late = [(r, threads[r]) for r, event in zip(ranks, done) if not event.is_set()]
         if late:
-            print(f"{self.name}: {what}: {len(late)} rank thread(s) still busy after {hint:.1f} s:\n"
-                  + "".join(f"--- rank {r}:\n{t.stack()}" for r, t in late), file=sys.stderr,
-                  flush=True)
+            _report(f"{self.name}: {what}: {len(late)} rank thread(s) still busy after {hint:.1f} s:\n"
+                    + "".join(f"--- rank {r}:\n{t.stack()}" for r, t in late))
         for event in done:
             event.wait(max(0.0, timeout_s - (time.monotonic() - start)))
         stuck = [f"rank {r}" for r, event in zip(ranks, done) if not event.is_set()]
@@ -384,6 +384,31 @@ class VirtualGroup:
             stack.enter_context(streams.push_limit(self.push_limit))
             yield self.ranks[rank]
 
+    @contextlib.contextmanager
+    def torch_gemms_in_budget(self) -> Iterator[None]:
+        """torch's GEMMs launched in the body (``torch.matmul`` inside the fused and the unfused
+        compositions) target the group's SM budget, as the fused kernels do: cuBLASLt with
+        torch's SM carveout (its ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``), restored after.
+
+        cuBLAS sizes its grids, persistent kernels' above all, for the whole GPU. Under virtual
+        ranks the peers' spinning kernels hold the other SMs, so a rank's GEMM that counts on all of
+        them may not finish before the peers' waits give up. Both settings are process-wide; the
+        group sets them from the launching thread only. ``PYFUSED_VR_TORCH_GEMM_BUDGET=0`` leaves
+        torch's GEMMs uncapped (to compare)."""
+        if self.device.type != "cuda" or os.environ.get("PYFUSED_VR_TORCH_GEMM_BUDGET", "1") == "0":
+            yield
+            return
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        carveout = torch._C._get_sm_carveout_experimental()
+        library = torch.backends.cuda.preferred_blas_library()
+        torch._C._set_sm_carveout_experimental(max(0, sms - self.sm_budget))
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(carveout)
+            torch.backends.cuda.preferred_blas_library(library)
+
     def launch(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]] = (), *,
                delay: Optional[int] = None, delay_s: float = 0.05, skip: Optional[int] = None,
                threads: bool = True, timeout_s: float = 300.0) -> List[Any]:
@@ -406,24 +431,31 @@ class VirtualGroup:
         results: List[Any] = [None] * self.world
         errors: List[Optional[BaseException]] = [None] * self.world
 
+        started: List[Optional["torch.cuda.Event"]] = [None] * self.world
+
         def one(r: int) -> None:
             try:
                 with self.rank_context(r) as handle:
                     if r == delay:
                         _hold_back(self.device, delay_s)
+                    if self.device.type == "cuda" and threads:
+                        started[r] = torch.cuda.Event()
+                        started[r].record()  # reached once the rank's stream is past its waits
                     results[r] = fn(handle, *args[r])
             except BaseException as e:  # reported below, rank by rank
                 errors[r] = e
 
         ranks = [r for r in range(self.world) if r != skip]
-        if self.device.type == "cuda" and threads:  # threads=False: already warmed up
-            self._reserve_memory()
-            self._preload(fn, args, ranks, timeout_s)
-        if threads:
-            self._on_rank_threads(one, ranks, timeout_s, "the call")
-        else:
-            for r in ranks:
-                one(r)
+        with self.torch_gemms_in_budget():
+            if self.device.type == "cuda" and threads:  # threads=False: already warmed up
+                self._reserve_memory()
+                self._preload(fn, args, ranks, timeout_s)
+            if threads:
+                self._on_rank_threads(one, ranks, timeout_s, "the call")
+            else:
+                for r in ranks:
+                    one(r)
+        self._started = started
         if current is not None:
             for stream in self.streams:
                 current.wait_stream(stream)
@@ -492,14 +524,23 @@ class VirtualGroup:
                 time.sleep(0.001)
             busy = [r for r, event in enumerate(done) if not event.query()]
             if busy:
-                print(f"{self.name}: the streams of ranks {busy} are still busy after {hint:.1f} s; "
-                      f"epochs per size class, rank by rank: {self.epochs()}", file=sys.stderr,
-                      flush=True)
+                waiting = [r for r, event in enumerate(self._started)
+                           if event is not None and not event.query()]
+                _report(f"{self.name}: the streams of ranks {busy} are still busy after "
+                        f"{hint:.1f} s; the streams of ranks {waiting} have not yet started the "
+                        f"call's work; epochs per size class, rank by rank: {self.epochs()}")
         torch.cuda.synchronize(self.device)
 
     def epochs(self) -> List[List[int]]:
         """Every size class's epoch on every rank (they move together: one per collective call)."""
         return [[buf.epoch for buf in size] for size in self.buffers()]
+
+
+def _report(message: str) -> None:
+    """A diagnosis printed before a spinning kernel may trap and end the process: to the process's
+    own stderr, so that it survives output capture (pytest's), flushed at once."""
+    stream = sys.__stderr__ or sys.stderr
+    print(message, file=stream, flush=True)
 
 
 def _half_the_fused_timeout() -> Optional[float]:
