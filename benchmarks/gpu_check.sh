@@ -55,7 +55,7 @@ call_steps() {
   1) cat <<'EOF'
 env         10  gpu_env
 install     150 gpu_install
-queues      30  $PY benchmarks/probe_stream_queues.py
+queues      40  CUDA_DEVICE_MAX_CONNECTIONS=1 $PY benchmarks/probe_stream_queues.py --streams 8 --expect-one-queue && $PY benchmarks/probe_stream_queues.py
 tests_kernels 90 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py
 tests_ops   75  $PYTEST -m gpu tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
 virtual     100 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and not fp16"

@@ -9,10 +9,13 @@ barrier kernel behind a wait of a peer's stream), so ``VirtualGroup`` takes its 
 created back to back (``pyfused.testing.virtual_ranks.queue_streams``); this probe measures, on the
 device, how many distinct queues each way of taking streams reaches.
 
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/probe_stream_queues.py --expect-one-queue
     CUDA_DEVICE_MAX_CONNECTIONS=32 python benchmarks/probe_stream_queues.py [--streams 24]
 
 Prints one line per stream set: the distinct queues found among its streams and the largest group
-sharing one; exit status 1 if the virtual ranks' batch has any two streams sharing a queue.
+sharing one. Exit status 1 if the virtual ranks' batch has two streams sharing a queue, or, with
+``--expect-one-queue`` (the positive control: with one connection every stream shares the one
+queue), if the probe does not find every stream sharing: then it cannot see a shared queue at all.
 """
 from __future__ import annotations
 
@@ -85,6 +88,9 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=24,
                         help="streams per set (a virtual group of 8 ranks uses 24)")
     parser.add_argument("--sleep-ms", type=float, default=3.0)
+    parser.add_argument("--expect-one-queue", action="store_true",
+                        help="the positive control, run with CUDA_DEVICE_MAX_CONNECTIONS=1: fail "
+                             "unless every stream of every set is found on one queue")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -111,8 +117,13 @@ def main() -> int:
         print(f"{name}: {len(streams)} streams on {len(classes)} distinct queues, largest sharing "
               f"group {len(classes[0])}; sharing: {shared[:6]}{' ...' if len(shared) > 6 else ''}"
               f" ({time.perf_counter() - t0:.1f} s)")
-        if name.startswith("virtual") and len(streams) <= device_connections() and shared:
+        if args.expect_one_queue:
+            bad = bad or len(classes) != 1
+        elif name.startswith("virtual") and len(streams) <= device_connections() and shared:
             bad = True
+    if args.expect_one_queue and bad:
+        print("positive control failed: with one connection every stream shares the queue, and the "
+              "probe did not find it so; its other results say nothing")
     return 1 if bad else 0
 
 

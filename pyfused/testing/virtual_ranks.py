@@ -176,12 +176,12 @@ def queue_streams(device: torch.device) -> List["torch.cuda.ExternalStream"]:
     """``device_connections()`` streams of ``device``, created one after another, once per process.
 
     The driver hands its hardware queues to streams in turn as they are created. torch's stream
-    pool creates its streams of every priority interleaved (32 per priority), so the streams of one
-    priority land on a fraction of the queues, and a group's rank, comm and push streams taken from
-    the pool would share queues whatever ``CUDA_DEVICE_MAX_CONNECTIONS`` says. A batch created back
-    to back takes every queue once. Created through the driver API (``cuda.bindings``, a torch
-    dependency on Linux) as non-blocking, high-priority streams, like the pool's; they live as long
-    as the process, as the pool's do."""
+    pool creates the streams of all its priorities together, so which queue a pool stream gets
+    depends on torch's creation order, not on the group. (On an H100 with 32 connections,
+    benchmarks/probe_stream_queues.py found 24 high-priority pool streams on 24 distinct queues.)
+    A batch created back to back takes every queue once, by construction. Created through the
+    driver API (``cuda.bindings``, a torch dependency on Linux) as non-blocking, high-priority
+    streams, like the pool's; they live as long as the process, as the pool's do."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _QUEUE_STREAMS_LOCK:
         if index not in _QUEUE_STREAMS:
