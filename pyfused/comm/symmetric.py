@@ -229,8 +229,7 @@ class SymmetricBuffer:
         # kernel instead, they would be a host-synchronizing copy in the middle of a call; virtual
         # ranks share one context, and a rank blocked there while its peers' kernels spin waiting
         # for it never launches its own.
-        self._ptr_tables: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self._ptr_tables = self._tables()
+        self._ptr_tables: Optional[Tuple[torch.Tensor, torch.Tensor]] = self._copy_tables()
         self.extras: Dict[Any, Any] = {}  # per-buffer caches of the fused ops (pointer tables ...)
 
     # -- creation and release -----------------------------------------------------------------
@@ -371,10 +370,13 @@ class SymmetricBuffer:
     def pad_ptrs(self) -> List[int]:
         return [p + self.data_bytes for p in self._live().ptrs]
 
+    def _copy_tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor(self.buffer_ptrs, dtype=torch.int64).to(self.device),
+                torch.tensor(self.pad_ptrs, dtype=torch.int64).to(self.device))
+
     def _tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self._ptr_tables is None:
-            self._ptr_tables = (torch.tensor(self.buffer_ptrs, dtype=torch.int64).to(self.device),
-                                torch.tensor(self.pad_ptrs, dtype=torch.int64).to(self.device))
+        if self._ptr_tables is None:  # freed: _live() names the error
+            self._live()
         return self._ptr_tables
 
     @property

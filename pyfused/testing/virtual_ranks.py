@@ -390,11 +390,12 @@ class VirtualGroup:
         compositions) target the group's SM budget, as the fused kernels do: cuBLASLt with
         torch's SM carveout (its ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``), restored after.
 
-        cuBLAS sizes its grids, persistent kernels' above all, for the whole GPU. Under virtual
-        ranks the peers' spinning kernels hold the other SMs, so a rank's GEMM that counts on all of
-        them may not finish before the peers' waits give up. Both settings are process-wide; the
-        group sets them from the launching thread only. ``PYFUSED_VR_TORCH_GEMM_BUDGET=0`` leaves
-        torch's GEMMs uncapped (to compare)."""
+        cuBLAS sizes its grids, persistent kernels' above all, for the whole GPU, while under
+        virtual ranks the peers' spinning kernels hold the other SMs. (On an H100, W = 4 first lost
+        ranks at the first case whose call runs a cuBLAS GEMM; with this every case passed at
+        W = 4 and 8, though that case alone also passed without it.) Both settings are
+        process-wide; the group sets them from the launching thread only.
+        ``PYFUSED_VR_TORCH_GEMM_BUDGET=0`` leaves torch's GEMMs uncapped (to compare)."""
         if self.device.type != "cuda" or os.environ.get("PYFUSED_VR_TORCH_GEMM_BUDGET", "1") == "0":
             yield
             return
