@@ -1,8 +1,9 @@
 """Benchmark of the fused ops with W virtual ranks on one GPU (pyfused/testing/virtual_ranks.py).
 
 Each fused op at W = 2, 4, 8 against the same op's unfused composition on the same harness: the same
-streams, the same SM share per rank (SMs // W for the fused kernels; torch's own kernels are not
-capped), the same memory. Every row's transport is ``virtual-ranks (1 GPU)``: the "peers" are
+streams, the same SM share per rank (SMs // W for the fused kernels and, through cuBLASLt's SM
+count target, for torch's GEMMs: ``VirtualGroup.torch_gemms_in_budget``; torch's other kernels are
+not capped), the same memory. Every row's transport is ``virtual-ranks (1 GPU)``: the "peers" are
 streams of one context, so the collective moves bytes at the GPU's copy bandwidth, not a link's.
 What the rows show is the schedules' cost and overlap with truly concurrent ranks, not a speed on
 a multi-GPU node. ``speedup`` = the unfused time / the fused time, both measured in this run, as

@@ -9,6 +9,7 @@ cannot show. Here the W ranks are W CUDA streams of one context instead:
     side streams (comm stream, push streams);
   * every fused kernel of rank r is capped at ``sm_budget`` programs (``config.sm_budget``; default
     SMs // W), so all ranks' persistent, spinning kernels are resident together and truly concurrent;
+    torch's GEMMs in a call target the same budget (``torch_gemms_in_budget``);
   * the peers' symmetric buffers and signal pads are ordinary zeroed allocations of this context,
     one per rank and size class, shared by every rank's ``SymmetricBuffer`` (backend "virtual");
     each rank keeps its own epochs, as a process would;
