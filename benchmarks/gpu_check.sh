@@ -18,8 +18,10 @@
 # are copied to $OUT, so a call killed at its limit still returns everything that ran. The exit
 # status is 1 if any step failed or was not run. The sanitizer steps run one process per rank, not
 # virtual ranks: a sanitizer may serialize a process's kernel launches, and virtual ranks' kernels
-# wait on each other. The bench steps write each row as it is measured (<suite>.rows.jsonl) and
-# stop their suites (--suite-timeout) before the step's limit. Results:
+# wait on each other. The adversarial virtual-rank cases run in a step of their own (virtual_adv): a
+# kernel that traps ends its process, and the other cases must not go with it. The bench steps
+# write each row as it is measured (<suite>.rows.jsonl) and stop their suites (--suite-timeout)
+# before the step's limit. Results:
 # benchmarks/results/<date>_<gpu>[_<GPU_CHECK_RUN>]/call<N>/ (commit them; GPU_CHECK_RESULTS names
 # another root; GPU_CHECK_RUN tells a second run of the day from the first).
 set -uo pipefail
@@ -58,7 +60,8 @@ install     150 gpu_install
 queues      40  CUDA_DEVICE_MAX_CONNECTIONS=1 $PY benchmarks/probe_stream_queues.py --streams 8 --expect-one-queue && $PY benchmarks/probe_stream_queues.py
 tests_kernels 90 $PYTEST -m gpu tests/test_gemm.py tests/test_reduce.py
 tests_ops   75  $PYTEST -m gpu tests/test_extension.py tests/test_fused_gpu.py tests/test_ddp_kernels.py tests/test_all_reduce_add_rmsnorm.py -k "not w2 and not w4"
-virtual     100 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and not fp16"
+virtual     100 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "not moe and not fp16 and not adversarial"
+virtual_adv 60  $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "adversarial"
 virtual_moe 40  PYFUSED_FUSED_TIMEOUT_MS=10000 $PYTEST -m gpu --capture=sys tests/test_virtual_ranks.py -k "moe and 2-bf16" --timeout=30
 bench_1gpu  100 $BENCH --suites gemm,reduce --timeout 30 --suite-timeout 35 --out $RES/bench_1gpu
 nccl_paths  45  gpu_nccl_paths
