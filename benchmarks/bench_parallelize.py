@@ -5,21 +5,25 @@ row: Llama, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma2 (scaled embedding, 
 sliding-window layers; untied LM head, which torch's plan cannot share with a vocab-parallel
 embedding).
 
-Variants (rows):
+Variants (rows), each pyfused row timed against the torch row of the same parallelism:
   * ``torch-tp``: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, vocab-parallel embedding
     (RowwiseParallel, replicated output) and LM head (ColwiseParallel, replicated logits) -- the
     plan transformers' own ``tp_plan`` and torchtitan use without sequence parallelism. Phi-3's fused
     projections are ColwiseParallel too, their rows permuted beforehand so that each rank's
     contiguous shard is its [q|k|v] heads / its [gate|up] share, and the attention modules' head
     counts (which Phi-3 reads from its config) divided -- what a user of torch's API has to do by
-    hand for the same model. (torch's
-    sequence parallelism shards dim 1 of batch-first activations, which the transformers model's own
-    forward then misreads as the sequence length, so there is no torch SP row.)
-  * ``pyfused-tp``: ``parallelize(model, mesh, sequence_parallel=False)``;
+    hand for the same model.
+  * ``torch-tp+sp``: the same plus torch's sequence parallelism as torchtitan plans it: the
+    embedding's output, every norm (``SequenceParallel``) and the o/down projections' outputs are
+    sequence shards (``Shard(1)`` of the batch-first activations), the attention and MLP modules
+    gather their input (``PrepareModuleInput`` to ``Replicate``), and the LM head gathers the final
+    norm's output. The residual stream stays a DTensor (``use_local_output=False``), so the model's
+    own forward reads the global sequence length from it.
+  * ``pyfused-tp``: ``parallelize(model, mesh, sequence_parallel=False)``, against torch-tp;
   * ``pyfused-tp+sp``: ``parallelize(model, mesh)`` (norms on sequence shards, all_gather_matmul /
-    matmul_reduce_scatter).
-All three start from the same full model; their losses are checked against each other before
-anything is timed, and the three are timed round-robin (``harness.time_interleaved``, the
+    matmul_reduce_scatter), against torch-tp+sp.
+All four start from the same full model; their losses are checked against each other before
+anything is timed, and the four are timed round-robin (``harness.time_interleaved``, the
 interleaved form of ``time_fn``), so a shared machine's drifting load hits them alike. A step is
 ``zero_grad``, forward with labels (full logits + loss), backward and an AdamW step.
 ``tokens_per_s`` = batch x sequence / step time; ``tflops`` counts 6 x (GEMM parameters) per token
@@ -69,6 +73,7 @@ SIZES = {  # (device type, quick) -> size; every dim divisible by up to 8 TP ran
 
 
 FAMILIES = ("llama", "phi3", "gemma2")
+PEERS = {"pyfused-tp": "torch-tp", "pyfused-tp+sp": "torch-tp+sp"}  # row -> the torch row it is timed against
 
 
 def build(size: Size, ctx, family: str = "llama"):
@@ -114,12 +119,41 @@ def _prepare_phi3_for_torch_tp(model, world: int) -> None:
     cfg.num_key_value_heads //= world
 
 
-def torch_tp(model, mesh, family: str = "llama"):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+NORMS = {"llama": ("input_layernorm", "post_attention_layernorm"),
+         "phi3": ("input_layernorm", "post_attention_layernorm"),
+         "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm")}
 
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+
+def torch_tp(model, mesh, family: str = "llama", sequence_parallel: bool = False):
+    """``model`` parallelized by torch's ``parallelize_module``: the torch-tp plan, or with
+    ``sequence_parallel`` the torch-tp+sp one (the module docstring describes both)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if sequence_parallel:
+        seq = Shard(1)  # batch-first activations: dim 1 is the sequence
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                      use_local_output=False),
+                "model.norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+                "model.layers.*.self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": seq},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "model.layers.*.mlp": PrepareModuleInput(input_layouts=(seq,),
+                                                         desired_input_layouts=(Replicate(),))}
+        plan.update({f"model.layers.*.{norm}": SequenceParallel() for norm in NORMS[family]})
+        row = RowwiseParallel(output_layouts=seq, use_local_output=False)
+    else:
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        row = RowwiseParallel()
     if family == "phi3":
         _prepare_phi3_for_torch_tp(model, mesh.size())
         plan["model.layers.*.self_attn.qkv_proj"] = ColwiseParallel()
@@ -129,8 +163,8 @@ def torch_tp(model, mesh, family: str = "llama"):
             plan[f"model.layers.*.self_attn.{name}"] = ColwiseParallel()
         plan["model.layers.*.mlp.gate_proj"] = ColwiseParallel()
         plan["model.layers.*.mlp.up_proj"] = ColwiseParallel()
-    plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
-    plan["model.layers.*.mlp.down_proj"] = RowwiseParallel()
+    plan["model.layers.*.self_attn.o_proj"] = row
+    plan["model.layers.*.mlp.down_proj"] = row
     return parallelize_module(model, mesh, plan)
 
 
@@ -169,6 +203,7 @@ def run_family(ctx, family: str) -> List[Dict]:
     full = build(size, ctx, family)
     makers = {
         "torch-tp": lambda m: torch_tp(m, mesh, family),
+        "torch-tp+sp": lambda m: torch_tp(m, mesh, family, sequence_parallel=True),
         "pyfused-tp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=False),
         "pyfused-tp+sp": lambda m: pyfused.parallelize(m, mesh, sequence_parallel=True),
     }
@@ -191,10 +226,10 @@ def run_family(ctx, family: str) -> List[Dict]:
     for name, ms in times.items():
         rows.append(op_row(
             ctx, shape=label, dtype=ctx.dtype, method=name, transport=ctx.transport, ms=ms,
-            flop=flop, t_baseline=times["torch-tp"],
+            flop=flop, t_baseline=times[PEERS.get(name, name)],  # ``speedup``: vs its own peer
             note=f"{size.batch * size.seq / (ms * 1e-3):.0f} tokens/s",
             tokens_per_s=size.batch * size.seq / (ms * 1e-3),
             speedup_vs_torch_tp=speedup(times["torch-tp"], ms),
-            **vs_peer("torch-tp", name, samples), tp=ctx.world, family=family,
+            **vs_peer(PEERS.get(name, name), name, samples), tp=ctx.world, family=family,
             sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
     return rows
