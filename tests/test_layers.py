@@ -2,7 +2,7 @@
 
 On every rank each parameter's gradient must be the full model's gradient for the slice that rank
 holds -- in sequence-parallel mode too, where the replicated row-parallel bias sees only its rank's
-tokens (the layer sums its gradient over the group).
+tokens (the layer takes its gradient from the gathered output gradient, all tokens).
 """
 import pytest
 import torch

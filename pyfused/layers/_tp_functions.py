@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
+from ..ops import _common
+
+_ROW_OP = "matmul_reduce_scatter"
 
 _COLUMN_BACKWARD = "ColumnParallelLinear backward (input-gradient all-reduce)"
 
@@ -106,26 +109,35 @@ class ScatterLastDim(torch.autograd.Function):
         return GatherLastDim.apply(g, ctx.pg), None
 
 
-class AddSequenceParallelBias(torch.autograd.Function):
-    """``y + bias`` for a bias replicated across ranks whose output is a sequence shard.
+class RowLinearToSequenceShard(torch.autograd.Function):
+    """``reduce_scatter(x @ w^T, dim 0) + bias``: a row-parallel layer with a bias whose output is
+    a sequence shard (``x`` [M, ..., in/W] -> [M/W, ..., out]), run by ``matmul_reduce_scatter``.
 
-    Each rank's output covers only its own tokens, so each rank's bias gradient is a partial sum; the
-    full model's gradient is the sum over the group, all-reduced here in backward so that every
-    rank's bias gradient equals the single-device one (Megatron instead all-reduces such grads in its
-    optimizer step).
+    The bias is added to this rank's shard, so the gradient summed over this rank's rows alone is a
+    partial one, which would need an all-reduce of its own. Backward instead gathers the output
+    gradient once, as ``matmul_reduce_scatter``'s own backward does for the input's and the weight's
+    gradients, and sums the gathered rows: the full model's bias gradient, the same on every rank,
+    with no extra collective (torch's DTensor gets there by adding the bias to the partial sums).
     """
 
     @staticmethod
-    def forward(ctx, y: Tensor, bias: Tensor, pg):
-        ctx.pg = pg
-        return y + bias
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, pg, overlap: str):
+        wt = weight.t()
+        x2 = x.reshape(-1, x.shape[-1])
+        plan = _common.matmul_call_plan(_ROW_OP, x2, wt, pg, overlap)
+        y = _common.call_op(plan, torch.ops.pyfused.matmul_reduce_scatter, x2, wt,
+                            plan.group_name, plan.method)
+        ctx.save_for_backward(x2, weight)
+        ctx.group_name, ctx.method, ctx.x_shape = plan.group_name, plan.method, x.shape
+        return (y + bias).view(x.shape[0] // plan.world, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        if not ctx.needs_input_grad[1]:
-            return g, None, None
-        grad_b = g.reshape(-1, g.shape[-1]).sum(0)
-        if comm.world_size(ctx.pg) > 1:
-            with comm.failures_named("tensor-parallel bias gradient all-reduce", ctx.pg):
-                dist.all_reduce(grad_b, group=ctx.pg)
-        return g, grad_b, None
+        x2, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        method = _common.backward_method(ctx.method, "all_gather_matmul")
+        grad_x, gathered = torch.ops.pyfused.all_gather_matmul(
+            g.reshape(-1, g.shape[-1]).contiguous(), weight, ctx.group_name, method, need_w or need_b)
+        grad_w = gathered.t() @ x2 if need_w else None
+        grad_b = gathered.sum(0) if need_b else None
+        return (grad_x.view(ctx.x_shape) if need_x else None), grad_w, grad_b, None, None

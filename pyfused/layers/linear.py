@@ -13,8 +13,8 @@ RowParallelLinear (weight columns sharded: in_local = in_features / W)
   * input ``[..., in/W]`` (input_is_parallel=True) or the full ``[..., in]`` to be split.
   * sequence_parallel=False: output ``matmul_all_reduce(x, w^T) + bias``, replicated ``[s, ..., out]``.
   * sequence_parallel=True: output ``matmul_reduce_scatter(x, w^T) + bias``, a sequence shard
-    ``[s/W, ..., out]``; the bias gradient is summed over the group in backward, so every rank holds
-    the full model's bias gradient.
+    ``[s/W, ..., out]``; every rank's bias gradient is the full model's, the column sum of the output
+    gradient that the backward gathers anyway (no collective of its own).
 The bias of a row-parallel layer is added once, after the reduction.
 
 ``overlap`` is the ``method=`` of the underlying ops: "auto" | "decomposed" | "unfused" | "fused".
@@ -32,7 +32,12 @@ from torch import Tensor
 from .. import comm
 from ..comm import plans
 from ..ops import _common, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ._tp_functions import AddSequenceParallelBias, ColumnLinearReplicatedInput, GatherLastDim, ScatterLastDim
+from ._tp_functions import (
+    ColumnLinearReplicatedInput,
+    GatherLastDim,
+    RowLinearToSequenceShard,
+    ScatterLastDim,
+)
 
 
 def _check_layer_args(kind: str):
@@ -246,8 +251,9 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = ScatterLastDim.apply(x, self.pg)
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x, self.weight.t(), self.pg, method=self.overlap)
-            return AddSequenceParallelBias.apply(y, self.bias, self.pg) if self.bias is not None else y
+            if self.bias is not None:
+                return RowLinearToSequenceShard.apply(x, self.weight, self.bias, self.pg, self.overlap)
+            return matmul_reduce_scatter(x, self.weight.t(), self.pg, method=self.overlap)
         y = matmul_all_reduce(x, self.weight.t(), self.pg, method=self.overlap)
         return y + self.bias if self.bias is not None else y
 

@@ -384,6 +384,15 @@ def plan_matmul(op: str, a, b, group, method, chunks: int = 0) -> Plan:
     return new_plan(op, pg, choice, chunks, (a, b), key)
 
 
+def matmul_call_plan(op: str, a, b, group, method) -> Plan:
+    """The plan that ``op``'s public function runs for ``(a, b, group, method)``: the cached one,
+    or a new one, validated, as the public function would make it. For code that runs a GEMM op's
+    registered op itself and needs the concrete method (a layer's autograd function)."""
+    plan = None if torch.compiler.is_dynamo_compiling() else plans.lookup(OPS[op].code, group,
+                                                                          method, a, b)
+    return plan if plan is not None else plan_matmul(op, a, b, group, method)
+
+
 def call_op(plan: Plan, op, *args):
     """``op(*args)`` for a call that goes through its registered op (autograd, or a trace): an
     eager call was validated when its plan was made, so the op's body does not check it again."""
