@@ -52,6 +52,28 @@ def cache_file(tmp_path, monkeypatch):
     tune.reload()
 
 
+@pytest.mark.parametrize("op, a_shape, b_shape, method", [
+    # 8B-like MLP shard at W=2: the rings decompose; the all-reduce of the same GEMM does not
+    ("all_gather_matmul", (256, 512), (512, 896), "decomposed"),  # 512 gathered rows
+    ("matmul_reduce_scatter", (512, 896), (896, 512), "decomposed"),
+    ("matmul_all_reduce", (512, 896), (896, 512), "unfused"),
+    ("matmul_all_reduce", (512, 1792), (1792, 1024), "decomposed"),
+    # a quarter of the work: below every threshold
+    ("all_gather_matmul", (256, 256), (256, 448), "unfused"),
+    ("matmul_reduce_scatter", (512, 448), (448, 256), "unfused"),
+])
+def test_untuned_auto_follows_the_size_rule(cache_file, monkeypatch, op, a_shape, b_shape, method):
+    """With no tuned entry, ``auto`` decomposes a GEMM from its collective's FLOP threshold up,
+    counting all_gather_matmul's GEMM over the gathered rows (the work a rank does)."""
+    from pyfused.ops import _common
+
+    two_ranks = object()
+    monkeypatch.setattr(_common.comm, "world_size", lambda pg: 2 if pg is two_ranks else 1)
+    a, b = torch.empty(a_shape), torch.empty(b_shape)
+    choice = _common.auto_preference(op, two_ranks, (a, b), False)
+    assert choice.method == method, choice
+
+
 def test_store_merges_atomically_and_refuses_a_corrupt_file(cache_file, caplog):
     k1 = tune.key("matmul_all_reduce", 2, (4, 8), (8, 3), torch.float32, torch.device("cpu"))
     tune.store({k1: {"method": "decomposed", "chunks": 2}})

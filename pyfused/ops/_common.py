@@ -48,10 +48,22 @@ from ._signature import (  # noqa: F401  (part of this module's interface)
 )
 from .registry import OPS
 
-# Below this many FLOPs per rank's GEMM the chunked schedule's extra launches and messages cost more
-# than the overlap can save (a 2-rank gloo run at 256x1024x1024 is about break-even); ``auto``
-# then keeps the unfused call. Tuned entries (pyfused.tune) override it per shape.
-DECOMPOSE_MIN_FLOPS = {"cpu": 2 * 256 * 1024 * 1024, "cuda": 2 * 1024 * 4096 * 4096}
+# Below this many FLOPs of a rank's GEMM (all_gather_matmul's: its gathered rows) the decomposed
+# schedule's extra launches and messages cost more than the overlap can save; ``auto`` then keeps
+# the unfused call. Per device type and collective: the ring of all_gather_matmul /
+# matmul_reduce_scatter (W - 1 point-to-point steps) pays off at smaller GEMMs than the chunked
+# all-reduce of matmul_all_reduce (one collective per piece). On 2 gloo ranks of a 2-core CPU box
+# (a tensor-parallel MLP step, forward and backward, docs/PERF.md) the rings won by 4-13% at
+# 2x512x512x896 and 2x512x1024x1792 FLOP and broke even at 2x512x256x448; the chunked all-reduce
+# was within 4% of the unfused call either way at 2x512x896x512 and 2x512x1792x1024, and a
+# 2-rank gloo run at 2x256x1024x1024 is about its break-even. Tuned entries (pyfused.tune) override
+# it per shape.
+DECOMPOSE_MIN_FLOPS = {
+    "cpu": {"all_gather": 2 * 512 * 512 * 512, "reduce_scatter": 2 * 512 * 512 * 512,
+            "all_reduce": 2 * 256 * 1024 * 1024},
+    "cuda": {"all_gather": 2 * 1024 * 4096 * 4096, "reduce_scatter": 2 * 1024 * 4096 * 4096,
+             "all_reduce": 2 * 1024 * 4096 * 4096},
+}
 
 
 # Row pieces of the chunked all-reduce schedules when neither the caller nor a tuned entry says:
@@ -296,8 +308,9 @@ def auto_preference(op: str, pg, tensors: Sequence[torch.Tensor], fused_ok: bool
         return Choice("unfused", 0, "untuned shape: the decomposed schedule only hides the cheap "
                                     "epilogue; fused is chosen only where tuning measured it faster")
     a, b = tensors[0], tensors[1]
-    flops = 2 * math.prod(a.shape[:-1]) * a.shape[-1] * b.shape[-1]
-    threshold = DECOMPOSE_MIN_FLOPS.get(a.device.type, DECOMPOSE_MIN_FLOPS["cuda"])
+    rows = math.prod(a.shape[:-1]) * (w if spec.collective == "all_gather" else 1)
+    flops = 2 * rows * a.shape[-1] * b.shape[-1]
+    threshold = DECOMPOSE_MIN_FLOPS.get(a.device.type, DECOMPOSE_MIN_FLOPS["cuda"])[spec.collective]
     if flops < threshold:
         return Choice("unfused", 0, f"GEMM of {flops:.3g} FLOP per rank is below the {threshold:.3g} "
                                     f"FLOP where chunking pays (untuned shape)")
