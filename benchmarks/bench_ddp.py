@@ -159,7 +159,9 @@ QUICK_VARIANTS = ("torch-ddp", "pyfused", "pyfused zero2")
 PEERS = {"pyfused": "torch-ddp", "pyfused comm=bf16": "torch-ddp+bf16hook",
          "pyfused zero2": "torch-zero1"}
 FSDP2_PEER = {"pyfused zero2": "torch-fsdp2 zero2"}
-ROUNDS = 15  # steps per variant outside --quick (at least --iters)
+# Steps per variant outside --quick (at least --iters). A step's time on the 2-core CPU box moves
+# by +-15% from round to round; 40 rounds put the median of the paired ratios within about 2%.
+ROUNDS = 40
 
 
 def step_fn(model, opt, x, y, amp_dtype) -> Callable[[], None]:

@@ -73,6 +73,9 @@ SIZES = {  # (device type, quick) -> size; every dim divisible by up to 8 TP ran
 
 
 FAMILIES = ("llama", "phi3", "gemma2")
+# Rounds outside --quick (at least --iters): a step of the CPU size moves by +-15% from round to
+# round on a 2-core box; the paired ratios' median needs about this many to hold still.
+ROUNDS = 30
 PEERS = {"pyfused-tp": "torch-tp", "pyfused-tp+sp": "torch-tp+sp"}  # row -> the torch row it is timed against
 
 
@@ -219,7 +222,8 @@ def run_family(ctx, family: str) -> List[Dict]:
         agree_close(loss, ref_loss, f"parallelize[{name}] loss vs torch-tp at {label}", ctx)
         steps[name] = training_step(model, opt, ids)
     # round-robin: load drifting on a shared machine hits every variant alike
-    samples = interleaved_samples(steps, ctx)
+    rounds = ctx.iters if ctx.quick else max(ROUNDS, ctx.iters)
+    samples = interleaved_samples(steps, ctx, iters=rounds)
     times = {name: statistics.median(t) for name, t in samples.items()}
     rows = []
     flop = flop_per_rank(size, ctx.world)
@@ -231,5 +235,5 @@ def run_family(ctx, family: str) -> List[Dict]:
             tokens_per_s=size.batch * size.seq / (ms * 1e-3),
             speedup_vs_torch_tp=speedup(times["torch-tp"], ms),
             **vs_peer(PEERS.get(name, name), name, samples), tp=ctx.world, family=family,
-            sequence_parallel=name.endswith("+sp"), **metadata(ctx)))
+            sequence_parallel=name.endswith("+sp"), rounds=rounds, **metadata(ctx)))
     return rows

@@ -57,6 +57,10 @@ from pyfused.pipeline.zero_bubble import bubble_of, replay, unit_bubble
 
 MULTI_RANK = True
 
+# Timed steps per candidate outside --quick (at least --iters): enough that the paired ratio's
+# median holds still from run to run on a 2-core CPU box, where steps move by +-10%.
+ROUNDS = 20
+
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbh1", 1),
              ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)]
 # schedule -> (pyfused class, torch class name, single stage per rank)
@@ -196,7 +200,7 @@ def _pyfused_columns(ctx, kind, p, v, m, impl, sched, recorders, costs, out_dir:
 def run(ctx: BenchContext) -> List[Dict]:
     p, rank = ctx.world, ctx.rank
     width, blocks, rows = (256, 8, 8) if ctx.quick else (1024, 8, 32)
-    iters = 4 if ctx.quick else max(ctx.iters, 10)
+    iters = 4 if ctx.quick else max(ctx.iters, ROUNDS)
     m = 4 * p
     out_dir = Path(ctx.options.get("out") or ctx.options.get("output_dir") or "bench_out")
     # local work that can fail on rank 0 alone: every rank learns of it at once, not at a timeout

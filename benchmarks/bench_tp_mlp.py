@@ -40,6 +40,9 @@ from . import shapes
 
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
+# Rounds outside --quick (at least --iters): a step moves by +-10% from round to round on a 2-core
+# CPU box, and the paired ratios' median needs about this many to hold still from run to run.
+ROUNDS = 20
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
             notes[method], chosen = auto_note(shape, ctx, sp)
             transports[method] = ("symm-mem" if "fused" in chosen and w > 1 else ctx.transport)
         steps[method] = step_of(model)
-    samples = interleaved_samples(steps, ctx)  # round-robin: no variant favoured by when it ran
+    rounds = ctx.iters if ctx.quick else max(ROUNDS, ctx.iters)
+    samples = interleaved_samples(steps, ctx, iters=rounds)  # round-robin: none favoured by when it ran
     times = {name: statistics.median(t) for name, t in samples.items()}
 
     flop = 12.0 * shape.tokens * shape.hidden * shape.ffn / w
@@ -213,7 +217,7 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
                            t_baseline=times.get("unfused"), status=status, note=note,
                            speedup_vs_torch_tp=speedup(times["torch-tp"], ms) if ms else None,
                            **vs_peer("torch-tp", method, samples), sequence_parallel=sp,
-                           tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn))
+                           tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn, rounds=rounds))
     return rows
 
 
