@@ -323,7 +323,8 @@ def _vs_peers(name: str, samples: Dict[str, List[float]]) -> Dict:
     if name in FSDP2_PEER:
         fsdp2 = vs_peer(FSDP2_PEER[name], name, samples)
         if fsdp2:
-            out.update(vs_fsdp2=fsdp2["vs_peer"], vs_fsdp2_best=fsdp2["vs_peer_best"])
+            out.update(vs_fsdp2=fsdp2["vs_peer"], vs_fsdp2_lo=fsdp2["vs_peer_lo"],
+                       vs_fsdp2_hi=fsdp2["vs_peer_hi"], vs_fsdp2_best=fsdp2["vs_peer_best"])
     return out
 
 

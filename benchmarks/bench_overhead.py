@@ -18,7 +18,8 @@ barrier and counts as its slowest rank's. Each round takes one sample of every v
 shuffled per round; ``SAMPLES`` rounds. Reported per variant, in microseconds per call: the median
 sample (``us_per_call``) beside plain torch's (``torch_us``), and ``overhead_x``, the median over
 rounds of the variant's sample divided by plain torch's sample of the same round (1.00 = no
-overhead). Pairing by round cancels the interference that outlasts a round (other processes,
+overhead), with ``overhead_x_lo`` / ``overhead_x_hi`` its 95% interval (``harness.median_interval``).
+Pairing by round cancels the interference that outlasts a round (other processes,
 gloo's threads, clock changes), which dominates the spread of single samples on a shared box; the
 best sample (``best_us``, ``best_x`` = best over best, as ``timeit`` reports) is kept for
 reference. On CPU each rank's main thread is pinned to its own core while the suite runs
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from pyfused import comm
-from pyfused.bench.harness import BenchContext, op_row
+from pyfused.bench.harness import BenchContext, op_row, paired_interval, paired_speedup
 from pyfused.comm import plans
 from pyfused.ops import _common
 from pyfused.ops.registry import OPS
@@ -135,8 +136,9 @@ def _host_us_per_call(fns: Dict[str, Callable[[], object]], pg, samples: int, ca
 def _stats(times: Dict[str, List[float]], name: str) -> Dict[str, float]:
     """The row's figures of variant ``name`` against plain torch, from the same rounds."""
     mine, base = times[name], times["torch"]
+    lo, hi = paired_interval(mine, base)  # of this / torch, round by round
     return dict(us_per_call=statistics.median(mine), torch_us=statistics.median(base),
-                overhead_x=statistics.median(m / b for m, b in zip(mine, base)),
+                overhead_x=paired_speedup(mine, base), overhead_x_lo=lo, overhead_x_hi=hi,
                 best_us=min(mine), best_x=min(mine) / min(base))
 
 

@@ -15,6 +15,7 @@ schedule, p, v, m):
   * ``speedup``: torch time / this time; ``vs_torch`` (pyfused rows): pyfused / torch (goal <= 1.0);
   * ``speedup_paired``: the median over rounds of torch's step time / this step time, the two
     measured in the same round (> 1: faster than torch), the estimate least moved by load drift;
+    ``speedup_paired_lo`` / ``speedup_paired_hi``: its 95% interval (harness.median_interval);
   * ``bubble_theory``: (p-1) / (v*m + p-1) for the unsplit schedules; for the split ones the
     idle fraction of pyfused's order replayed on the unit-time model (F = B = W), which for ZB-H1
     is the paper's (p-1) / (3m + p-1) (pipeline/zero_bubble.py);
@@ -49,7 +50,7 @@ import torch.nn as nn
 
 from pyfused import comm, pipeline as pf
 from pyfused._logging import logger
-from pyfused.bench.harness import BenchContext, metadata, time_fn
+from pyfused.bench.harness import BenchContext, metadata, paired_interval, paired_speedup, time_fn
 from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
 from pyfused.pipeline.cost_orders import cost_of
 from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order, stage_rank
@@ -250,8 +251,9 @@ def run(ctx: BenchContext) -> List[Dict]:
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
                    "dtype": "float32", "method": impl, "time_ms": med[impl],
                    "speedup": med["torch"] / med[impl],
-                   "speedup_paired": statistics.median(
-                       t / u for t, u in zip(times["torch"], times[impl])),
+                   "speedup_paired": paired_speedup(times["torch"], times[impl]),
+                   **dict(zip(("speedup_paired_lo", "speedup_paired_hi"),
+                              paired_interval(times["torch"], times[impl]))),
                    "bubble_theory": _theory(kind, p, v, m),
                    "torch_schedule": CLASSES[kind][1],
                    "bubble_step": 1 - med["compute"] / med[impl],

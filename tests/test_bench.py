@@ -18,8 +18,10 @@ from pyfused.bench.harness import (
     BenchContext,
     bandwidths,
     best_speedup,
+    median_interval,
     op_row,
     overlap_efficiency,
+    paired_interval,
     paired_speedup,
     speedup,
     tensor_bytes,
@@ -57,6 +59,21 @@ def test_bandwidths_follow_nccl_tests():
     assert busbw == pytest.approx(4.194304 * 3 / 4)    # (n-1)/n
     assert bandwidths("all_reduce", 1e9, 1000.0, 4) == pytest.approx((1.0, 1.5))      # 2(n-1)/n
     assert bandwidths("reduce_scatter", 1e9, 1000.0, 2) == pytest.approx((1.0, 0.5))  # (n-1)/n
+
+
+def test_median_interval_is_the_sign_tests():
+    """The 95% interval of a median from order statistics, against the published table (n = 10:
+    2nd and 9th; n = 30: 10th and 21st; n = 40: 14th and 27th), in any input order; fewer than 6
+    values give the whole range."""
+    for n, (j, k) in {10: (2, 9), 30: (10, 21), 40: (14, 27)}.items():
+        values = [float(v) for v in range(n, 0, -1)]
+        assert median_interval(values) == (j, k)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0, 6.0]) == (1.0, 6.0)
+    assert all(math.isnan(v) for v in median_interval([]))
+    # the interval of the per-round ratios, which paired_speedup takes the median of
+    base = [float(v) for v in range(1, 11)]
+    assert paired_interval(base, [1.0] * 10) == (2.0, 9.0)
 
 
 def test_paired_and_best_speedup():
@@ -189,8 +206,10 @@ def test_overhead_suite_covers_every_op_and_method(tmp_path):
         assert row["status"] == "ok" and row["us_per_call"] > 0
         assert row["best_us"] <= row["us_per_call"]  # the best sample is at most the median
         assert row["overhead_x"] > 0 and row["best_x"] > 0
+        assert row["overhead_x_lo"] <= row["overhead_x"] <= row["overhead_x_hi"]
         if row["method"] == "torch":  # each round's plain torch sample over itself
             assert row["overhead_x"] == 1 and row["best_x"] == 1
+            assert row["overhead_x_lo"] == row["overhead_x_hi"] == 1
         assert row["transport"] == ("gloo" if row["world_size"] == 2 else "none")
         assert row["plan_cache"] == plans.IMPLEMENTATION
         assert row["validate"] == ("always" if row["method"].endswith("always") else "first")

@@ -41,3 +41,25 @@ def test_rows_side_by_side_with_worst_and_spread(tmp_path):
     assert sum(line.startswith("| ") for line in lines) == 5  # header and four rows
     assert compare_runs.table(runs, ["pipeline"]).count("| pipeline |") == 1
     assert "overhead" not in compare_runs.table(runs, ["pipeline"])
+
+
+def test_cells_show_the_interval_and_flag_a_losing_one(tmp_path):
+    """A row that records its 95% interval shows it; ``!`` marks an interval wholly under 1.0 (a
+    ratio against torch) or wholly over 1.03 (the per-call goal of overhead_x)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "tp_mlp.json").write_text(json.dumps([
+        {"suite": "tp_mlp", "shape": "s", "method": "auto", "vs_peer": 0.98, "vs_peer_lo": 0.95,
+         "vs_peer_hi": 1.02, "status": "ok", "commit": "c"},
+        {"suite": "tp_mlp", "shape": "s", "method": "unfused", "vs_peer": 0.95, "vs_peer_lo": 0.93,
+         "vs_peer_hi": 0.97, "status": "ok", "commit": "c"},
+    ]))
+    (folder / "overhead.json").write_text(json.dumps([
+        {"suite": "overhead", "op": "op", "shape": "x", "method": "auto", "world_size": 1,
+         "overhead_x": 1.05, "overhead_x_lo": 1.04, "overhead_x_hi": 1.06, "status": "ok",
+         "commit": "c"},
+    ]))
+    lines = compare_runs.table([folder], None).splitlines()
+    assert "| tp_mlp | s: auto | 0.980 (0.95-1.02) | 0.980 | 0.0% |" in lines
+    assert "| tp_mlp | s: unfused | 0.950 (0.93-0.97) ! | 0.950 | 0.0% |" in lines
+    assert "| overhead | op x: auto | 1.050 (1.04-1.06) ! | 1.050 | 0.0% |" in lines

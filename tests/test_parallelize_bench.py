@@ -29,6 +29,9 @@ def test_bench_parallelize_quick(ranks):
     for r in rows:
         assert r["status"] == "ok" and r["time_ms"] > 0 and math.isfinite(r["tokens_per_s"]), r
         assert r["tp"] == 2 and r["transport"] == "gloo", r
+    for r in rows:
+        if r.get("peer"):
+            assert r["vs_peer_lo"] <= r["vs_peer"] <= r["vs_peer_hi"], r
     peers = {r["method"]: r.get("peer") for r in rows}
     assert peers == {"torch-tp": None, "torch-tp+sp": None, "pyfused-tp": "torch-tp",
                      "pyfused-tp+sp": "torch-tp+sp"}, peers

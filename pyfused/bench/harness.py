@@ -34,7 +34,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -280,6 +280,11 @@ def speedup(t_baseline_ms: Optional[float], t_ms: Optional[float]) -> float:
     return t_baseline_ms / t_ms
 
 
+def paired_ratios(baseline: List[float], samples: List[float]) -> List[float]:
+    """``baseline[i] / samples[i]`` for every round i in which both were timed (positive)."""
+    return [b / s for b, s in zip(baseline, samples) if b > 0 and s > 0]
+
+
 def paired_speedup(baseline: List[float], samples: List[float]) -> float:
     """The median over rounds of ``baseline[i] / samples[i]``: sample i of both was taken in the same
     round of ``interleaved_samples`` (> 1: faster than the baseline).
@@ -288,8 +293,34 @@ def paired_speedup(baseline: List[float], samples: List[float]) -> float:
     both samples of a round alike and cancels in their ratio; the median then drops the rounds a
     burst hit only one of. That makes it the steadiest of the three estimators the suites report
     (``speedup`` of the medians, ``best_speedup`` of the best samples)."""
-    pairs = [b / s for b, s in zip(baseline, samples) if b > 0 and s > 0]
+    pairs = paired_ratios(baseline, samples)
     return statistics.median(pairs) if pairs else float("nan")
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> Tuple[float, float]:
+    """A distribution-free confidence interval of the median the values are drawn from: the order
+    statistics x_(j) and x_(n+1-j) (1-based, values sorted) for the largest j with
+    P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2, which cover the median with at least
+    ``confidence`` whatever the distribution (the sign test's interval). Below 6 values no j
+    qualifies at 95%: (min, max) is returned, covering less. (nan, nan) for none."""
+    x = sorted(values)
+    n = len(x)
+    if n == 0:
+        return float("nan"), float("nan")
+    tail, below, j = (1 - confidence) / 2, 0.0, 0
+    while j < n // 2:
+        below += math.comb(n, j) / 2 ** n  # P(Binomial(n, 1/2) <= j) after this line
+        if below > tail:
+            break
+        j += 1
+    j = max(j, 1)
+    return x[j - 1], x[n - j]
+
+
+def paired_interval(baseline: List[float], samples: List[float]) -> Tuple[float, float]:
+    """``median_interval`` of the per-round ratios ``paired_speedup`` takes the median of: where
+    the ratio of the two programs' typical round lies, given the rounds' spread."""
+    return median_interval(paired_ratios(baseline, samples))
 
 
 def best_speedup(baseline: List[float], samples: List[float]) -> float:
@@ -302,11 +333,14 @@ def best_speedup(baseline: List[float], samples: List[float]) -> float:
 
 def vs_peer(peer: str, name: str, samples: Dict[str, List[float]]) -> Dict[str, Any]:
     """The columns comparing variant ``name`` with its ``peer`` (torch's counterpart) from the same
-    ``interleaved_samples``: ``peer``, ``vs_peer`` (``paired_speedup``, the suite's ratio) and
-    ``vs_peer_best`` (``best_speedup``); none for the peer itself or a variant not timed."""
+    ``interleaved_samples``: ``peer``, ``vs_peer`` (``paired_speedup``, the suite's ratio),
+    ``vs_peer_lo`` / ``vs_peer_hi`` (its 95% ``paired_interval``) and ``vs_peer_best``
+    (``best_speedup``); none for the peer itself or a variant not timed."""
     if name == peer or name not in samples or peer not in samples:
         return {}
+    lo, hi = paired_interval(samples[peer], samples[name])
     return {"peer": peer, "vs_peer": paired_speedup(samples[peer], samples[name]),
+            "vs_peer_lo": lo, "vs_peer_hi": hi,
             "vs_peer_best": best_speedup(samples[peer], samples[name])}
 
 

@@ -29,6 +29,9 @@ MAX_EXTRA = 4
 NOTE_WIDTH = 48
 SHAPE_WIDTH = 30
 HIDDEN = {"m", "n", "k", "op", "status", "note", "tokens", "hidden", "ffn", "sequence_parallel"}
+# A ratio's interval (``<ratio>_lo`` / ``<ratio>_hi``): in the CSV and JSON, and in
+# ``benchmarks.compare_runs``, not in the console table, where it would crowd out the suite's columns.
+INTERVAL_SUFFIXES = ("_lo", "_hi")
 
 
 def fmt(value: Any, pattern: str = "{}") -> str:
@@ -52,7 +55,7 @@ def columns_of(rows: Sequence[Dict[str, Any]]) -> List[str]:
     cols = [c for c in DISPLAY if c in present]
     extra = [c for r in rows for c in r
              if c not in DISPLAY and c not in RUN_COLUMNS and c not in HIDDEN
-             and c not in ROW_COLUMNS]
+             and c not in ROW_COLUMNS and not c.endswith(INTERVAL_SUFFIXES)]
     seen: List[str] = []
     for c in extra:
         if c not in seen:
