@@ -160,7 +160,7 @@ PEERS = {"pyfused": "torch-ddp", "pyfused comm=bf16": "torch-ddp+bf16hook",
          "pyfused zero2": "torch-zero1"}
 FSDP2_PEER = {"pyfused zero2": "torch-fsdp2 zero2"}
 # Steps per variant outside --quick (at least --iters). A step's time on the 2-core CPU box moves
-# by +-15% from round to round; 40 rounds put the median of the paired ratios within about 2%.
+# by +-15% from round to round, so the median of the paired ratios needs tens of rounds.
 ROUNDS = 40
 
 

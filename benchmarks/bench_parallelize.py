@@ -1,7 +1,7 @@
 """One training step of a transformers model parallelized by ``pyfused.parallelize`` against the
 same model parallelized by torch's own ``parallelize_module`` (DTensor), on the same TP mesh (every
-rank of the suite's group), in the same run. Three families, each timed against its own torch-tp
-row: Llama, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma2 (scaled embedding, soft-capping,
+rank of the suite's group), in the same run. Three families, each with its own torch rows:
+Llama, Phi-3 (fused qkv_proj / gate_up_proj) and Gemma2 (scaled embedding, soft-capping,
 sliding-window layers; untied LM head, which torch's plan cannot share with a vocab-parallel
 embedding).
 
@@ -76,7 +76,8 @@ FAMILIES = ("llama", "phi3", "gemma2")
 # Rounds outside --quick (at least --iters): a step of the CPU size moves by +-15% from round to
 # round on a 2-core box; the paired ratios' median needs about this many to hold still.
 ROUNDS = 30
-PEERS = {"pyfused-tp": "torch-tp", "pyfused-tp+sp": "torch-tp+sp"}  # row -> the torch row it is timed against
+# row -> the torch row it is timed against
+PEERS = {"pyfused-tp": "torch-tp", "pyfused-tp+sp": "torch-tp+sp"}
 
 
 def build(size: Size, ctx, family: str = "llama"):
