@@ -247,13 +247,13 @@ def run(ctx: BenchContext) -> List[Dict]:
         med = {k: statistics.median(v_) for k, v_ in times.items()}
         costs = scheds["pyfused-measured"].stage_costs if split_kind else None
         for impl, _ in impls:
+            lo, hi = paired_interval(times["torch"], times[impl])
             # time_ms / method / shape / speedup are the CLI table's own columns (pyfused/bench/table.py)
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
                    "dtype": "float32", "method": impl, "time_ms": med[impl],
                    "speedup": med["torch"] / med[impl],
                    "speedup_paired": paired_speedup(times["torch"], times[impl]),
-                   **dict(zip(("speedup_paired_lo", "speedup_paired_hi"),
-                              paired_interval(times["torch"], times[impl]))),
+                   "speedup_paired_lo": lo, "speedup_paired_hi": hi,
                    "bubble_theory": _theory(kind, p, v, m),
                    "torch_schedule": CLASSES[kind][1],
                    "bubble_step": 1 - med["compute"] / med[impl],

@@ -41,6 +41,8 @@ def _torch_plan_grads(rank, world, family, sequence_parallel):
     """Every parameter's gradient after one backward under torch's plan, as the full tensor, and
     the unsharded model's; for a replicated parameter, this rank's local gradient as it stands (a
     sum left partial would differ from the full model's)."""
+    import copy
+
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,7 +56,7 @@ def _torch_plan_grads(rank, world, family, sequence_parallel):
     size = bp.SIZES[("cpu", True)]
     full = bp.build(size, ctx, family)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
-    model = bp.torch_tp(bp.copy.deepcopy(full), mesh, family, sequence_parallel=sequence_parallel)
+    model = bp.torch_tp(copy.deepcopy(full), mesh, family, sequence_parallel=sequence_parallel)
     ids = torch.randint(0, size.vocab, (size.batch, size.seq), generator=torch.Generator().manual_seed(3))
     full(input_ids=ids, labels=ids).loss.backward()
     model(input_ids=ids, labels=ids).loss.backward()

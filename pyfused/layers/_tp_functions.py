@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import comm
 from ..ops import _common
+from ..ops.matmul_reduce_scatter import backward_from_gathered
 
 _ROW_OP = "matmul_reduce_scatter"
 
@@ -135,9 +136,9 @@ class RowLinearToSequenceShard(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        method = _common.backward_method(ctx.method, "all_gather_matmul")
-        grad_x, gathered = torch.ops.pyfused.all_gather_matmul(
-            g.reshape(-1, g.shape[-1]).contiguous(), weight, ctx.group_name, method, need_w or need_b)
-        grad_w = gathered.t() @ x2 if need_w else None
-        grad_b = gathered.sum(0) if need_b else None
-        return (grad_x.view(ctx.x_shape) if need_x else None), grad_w, grad_b, None, None
+        grad_x, grad_wt, gathered = backward_from_gathered(
+            g.reshape(-1, g.shape[-1]).contiguous(), x2, weight.t(), ctx.group_name, ctx.method,
+            need_x, need_w, keep_gathered=need_b)
+        return (grad_x.view(ctx.x_shape) if need_x else None,
+                grad_wt.t() if need_w else None,  # the gradient of weight.t(), laid out as weight
+                gathered.sum(0) if need_b else None, None, None)

@@ -108,15 +108,23 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(a, b)
 
 
+def backward_from_gathered(grad_out: Tensor, a: Tensor, b: Tensor, group_name: str, method: str,
+                           need_a: bool, need_b: bool, keep_gathered: bool = False):
+    """(grad_a, grad_b, gathered) of the 2-D op: one ``all_gather_matmul`` of ``grad_out`` gives
+    grad_a and the gathered gradient, which grad_b's GEMM reuses. ``gathered`` is None unless
+    grad_b or ``keep_gathered`` (a caller with more to take from it: a layer's bias) asked for it."""
+    method = _common.backward_method(method, "all_gather_matmul")
+    grad_a, gathered = torch.ops.pyfused.all_gather_matmul(grad_out, b.t(), group_name, method,
+                                                           need_b or keep_gathered)
+    grad_b = _common.weight_grad(a, gathered, b) if need_b else None
+    return (grad_a if need_a else None), grad_b, (gathered if need_b or keep_gathered else None)
+
+
 def _backward(ctx, grad_out):
     a, b = ctx.saved_tensors
-    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    method = _common.backward_method(ctx.method, "all_gather_matmul")
-    # The all-gather of grad_out is needed for grad_a's GEMM and kept for grad_b's.
-    grad_a, gathered = torch.ops.pyfused.all_gather_matmul(grad_out, b.t(), ctx.group_name, method,
-                                                           need_b)
-    grad_b = _common.weight_grad(a, gathered, b) if need_b else None
-    return (grad_a if need_a else None), grad_b, None, None
+    grad_a, grad_b, _ = backward_from_gathered(grad_out, a, b, ctx.group_name, ctx.method,
+                                               ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return grad_a, grad_b, None, None
 
 
 _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
