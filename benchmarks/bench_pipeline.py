@@ -20,9 +20,11 @@ schedule, p, v, m):
     idle fraction of pyfused's order replayed on the unit-time model (F = B = W), which for ZB-H1
     is the paper's (p-1) / (3m + p-1) (pipeline/zero_bubble.py);
   * ``bubble_step``: 1 - compute_only_ms / step_ms, where ``compute_only_ms`` is the step's compute
-    with no pipeline at all (m forward+backward passes of each rank's stages, slowest rank) -- the
-    same for both implementations, so this is the apples-to-apples idle fraction including every
-    transfer and scheduling overhead;
+    with no pipeline at all (m forward+backward passes of each rank's stages, slowest rank), each
+    backward run as the row's implementation runs it: plain autograd for torch, with pyfused's
+    gradient-accumulation fusion (pipeline/weight_accumulation.py) for pyfused -- so this is each
+    implementation's idle fraction including every transfer and scheduling overhead, and the
+    difference of the two compute times is what the fusion saves;
   * ``bubble_timeline`` (pyfused only): median over the timed steps of 1 - compute / step span
     (from recorded events, averaged over ranks), and ``timeline_png``: the step of median length
     drawn (compute and transfers per rank; B and W in separate colours), above the same order
@@ -31,8 +33,8 @@ schedule, p, v, m):
   * ``bubble_predicted`` (pyfused split-backward rows): the idle fraction of the row's order
     replayed with the measured F, B, W times (the same average over ranks as ``bubble_timeline``),
     and ``stage_costs_ms``: those times, F/B/W per stage.
-The candidates (torch step, pyfused step, compute only) alternate iteration by iteration, each
-timed by harness.time_fn, so a load change on a shared machine hits all three alike.
+The candidates (torch step, pyfused steps, both compute-only passes) alternate iteration by
+iteration, each timed by harness.time_fn, so a load change on a shared machine hits all alike.
 
 Run with the bench CLI (``python -m pyfused.bench``) or alone:
 ``torchrun --nproc_per_node 2 benchmarks/bench_pipeline.py [--quick] [--out bench_out]``.
@@ -51,7 +53,7 @@ import torch.nn as nn
 from pyfused import comm, pipeline as pf
 from pyfused._logging import logger
 from pyfused.bench.harness import BenchContext, metadata, paired_interval, paired_speedup, time_fn
-from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline
+from pyfused.pipeline import bubble_theory, even_starts, layer_units, split, timeline, weight_accumulation
 from pyfused.pipeline.cost_orders import cost_of
 from pyfused.pipeline.plan import SPLIT_BACKWARD, V_SHAPED, local_stages, rank_order, stage_rank
 from pyfused.pipeline.zero_bubble import bubble_of, replay, unit_bubble
@@ -112,9 +114,11 @@ def _theory(kind: str, p: int, v: int, m: int) -> float:
     return unit_bubble(orders, p, p * v, kind in V_SHAPED, True)
 
 
-def _compute_only(mods, stage_ids, x_mb, m: int):
+def _compute_only(mods, stage_ids, x_mb, m: int, fused: bool):
     """A step's compute on this rank without the pipeline: m forward+backward passes of each of
-    the rank's stages on a microbatch, no transfers, no scheduling."""
+    the rank's stages on a microbatch, no transfers, no scheduling; ``fused``: each backward with
+    gradient-accumulation fusion, as pyfused's stages run it."""
+    backward = weight_accumulation.backward if fused else torch.autograd.backward
     inputs = {}
     for s in stage_ids:
         h = x_mb
@@ -126,7 +130,7 @@ def _compute_only(mods, stage_ids, x_mb, m: int):
         for s in stage_ids:
             for _ in range(m):
                 out = mods[s](inputs[s])
-                out.backward(torch.ones_like(out))
+                backward([out], [torch.ones_like(out)])
         for s in stage_ids:
             for prm in mods[s].parameters():
                 prm.grad = None
@@ -233,9 +237,10 @@ def run(ctx: BenchContext) -> List[Dict]:
             fns[impl] = _stepper(scheds[impl], mods, args, target, recorders.get(impl))
         if split_kind:  # the measuring step, untimed: the timed steps run the measured orders
             fns["pyfused-measured"]()
-        compute_mods = [m_.to(ctx.device) for m_ in split(copy.deepcopy(model), n_stages,
-                                                          split_points=starts).stages]
-        fns["compute"] = _compute_only(compute_mods, stage_ids, x[:rows], m)
+        for name, fused in (("compute", False), ("compute-fused", True)):
+            compute_mods = [m_.to(ctx.device) for m_ in split(copy.deepcopy(model), n_stages,
+                                                              split_points=starts).stages]
+            fns[name] = _compute_only(compute_mods, stage_ids, x[:rows], m, fused)
         # Interleave the candidates iteration by iteration (each call: barrier, run, slowest
         # rank), so that load changes on a shared machine hit all of them alike.
         times = {k: [] for k in fns}
@@ -247,6 +252,7 @@ def run(ctx: BenchContext) -> List[Dict]:
         med = {k: statistics.median(v_) for k, v_ in times.items()}
         costs = scheds["pyfused-measured"].stage_costs if split_kind else None
         for impl, _ in impls:
+            compute = "compute" if impl == "torch" else "compute-fused"
             lo, hi = paired_interval(times["torch"], times[impl])
             # time_ms / method / shape / speedup are the CLI table's own columns (pyfused/bench/table.py)
             row = {**metadata(ctx), "suite": "pipeline", "shape": f"{kind} p{p} v{v} m{m}",
@@ -256,9 +262,9 @@ def run(ctx: BenchContext) -> List[Dict]:
                    "speedup_paired_lo": lo, "speedup_paired_hi": hi,
                    "bubble_theory": _theory(kind, p, v, m),
                    "torch_schedule": CLASSES[kind][1],
-                   "bubble_step": 1 - med["compute"] / med[impl],
+                   "bubble_step": 1 - med[compute] / med[impl],
                    "bubble_timeline": float("nan"), "bubble_predicted": float("nan"),
-                   "compute_only_ms": med["compute"],
+                   "compute_only_ms": med[compute],
                    "schedule": kind, "stages_per_rank": v, "microbatches": m, "width": width,
                    "blocks": blocks, "rows_per_microbatch": rows, "iters": iters}
             if impl != "torch":

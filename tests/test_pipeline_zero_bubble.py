@@ -106,7 +106,7 @@ def test_split_backward_equals_unsplit(kind, needs_input_grad):
     # one call only when independent paths reach it (their sum is its gradient)
     name_of = {id(p): n for n, p in mod.named_parameters()}
     per_call = {}
-    for _, _, params, _ in work.calls:
+    for _, _, params, _, _ in work.calls:
         for p in params:
             per_call[name_of[id(p)]] = per_call.get(name_of[id(p)], 0) + 1
     assert set(per_call) == set(name_of.values())

@@ -9,7 +9,8 @@
 Modules: actions.py (the orders' vocabulary), plan.py (pure orders and transfer plans, checked by a
 simulator), balance.py (pure partitioning), stage.py, meta.py (shape agreement), p2p.py (batched,
 overlapped transfers), executor.py, schedules.py, errors.py (same error on every rank), autosplit.py
-(split), timeline.py, split_backward.py (B and W of any module), zero_bubble.py (orders of the
+(split), timeline.py, split_backward.py (B and W of any module), weight_accumulation.py (weight
+gradients accumulated inside their GEMMs), zero_bubble.py (orders of the
 split-backward schedules), cost_orders.py (their orders from measured F, B, W times), costs.py
 (measuring those times and agreeing on them).
 """

@@ -26,6 +26,9 @@ W (``backward_weight``):
     path (a weight shared between layers of one stage) would be reached twice from one call; such
     frontier nodes are run together in one call whose pre-hooks replace the gradient reaching each of
     them by the kept one (correct, at the cost of re-running the input path between them).
+  * with ``fuse=True`` (a stage's default) each call other than those grouped ones accumulates
+    its linear layers' weight gradients inside their GEMMs, planned over the nodes the call runs
+    (weight_accumulation.py).
 
 Memory: between B and W the microbatch's graph is kept (``retain_graph=True``): the saved tensors
 W needs (a Linear's input) and those of nodes only B needed, which autograd cannot free one by
@@ -40,6 +43,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from . import weight_accumulation
 
 
 def _node(t: torch.Tensor) -> Optional[Node]:
@@ -99,8 +104,8 @@ def _leads_to(nodes: List[Node], targets: Set[Node]) -> Set[Node]:
 
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[Optional[torch.Tensor]],
-                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
-                   ) -> Tuple[Tuple[Optional[torch.Tensor], ...], WeightWork]:
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                   fuse: bool = False) -> Tuple[Tuple[Optional[torch.Tensor], ...], WeightWork]:
     """B of one microbatch. Returns the gradient of each input (None where it needs none or is
     unused) and the work W must do."""
     pairs = [(o, g if g is not None else torch.ones_like(o))
@@ -131,7 +136,7 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[Optio
             slot[nr] = g if slot[nr] is None else slot[nr] + g
     starts = {n: kept[n] for n in frontier if n in kept}
     starts.update({n: tuple(g) for n, g in root_grads.items()})
-    return input_grads, _plan_weight_calls(starts, input_nodes, weighty, param_nodes)
+    return input_grads, _plan_weight_calls(starts, input_nodes, weighty, param_nodes, fuse)
 
 
 def _n_outputs(node: Node) -> int:
@@ -140,11 +145,13 @@ def _n_outputs(node: Node) -> int:
 
 
 def _plan_weight_calls(starts: Dict[Node, Tuple], input_nodes: Set[Node], weighty: Set[Node],
-                       param_nodes: Dict[Node, torch.Tensor]) -> WeightWork:
+                       param_nodes: Dict[Node, torch.Tensor], fuse: bool) -> WeightWork:
     own: Dict[Node, Set[Node]] = {}   # params reachable through weight-only nodes
+    region: Dict[Node, List[Node]] = {}  # the nodes a call from n runs
     for n in starts:
         first = [c for c in _children(n) if c in weighty] if n in input_nodes else [n]
-        own[n] = {x for x in _reachable_from(first) if x in param_nodes}
+        region[n] = _reachable_from(first) + ([n] if n in input_nodes else [])
+        own[n] = {x for x in region[n] if x in param_nodes}
     deep: Dict[Node, Set[Node]] = {}  # params reachable through a node's input path
     for n in starts:
         below = [c for c in _children(n) if c in input_nodes]
@@ -181,7 +188,8 @@ def _plan_weight_calls(starts: Dict[Node, Tuple], input_nodes: Set[Node], weight
         params = set().union(*(own[n] for n in nodes))
         if edges and params:
             clamp = {n: starts[n] for n in nodes} if len(nodes) > 1 else {}
-            calls.append((edges, grads, [param_nodes[x] for x in params], clamp))
+            nodes_run = region[nodes[0]] if fuse and not clamp else None
+            calls.append((edges, grads, [param_nodes[x] for x in params], clamp, nodes_run))
     return WeightWork(calls)
 
 
@@ -189,7 +197,10 @@ def backward_weight(work: WeightWork) -> None:
     """W of one microbatch: accumulate each parameter's gradient into ``.grad``. ``backward`` with
     ``inputs=`` accumulates like the unsplit backward does (a parameter's first gradient becomes its
     ``.grad`` without a copy, later ones are added in place, with ``.grad``'s usual layout)."""
-    for edges, grads, params, clamp in work.calls:
+    for edges, grads, params, clamp, region in work.calls:
+        if region is not None:
+            weight_accumulation.backward_from(edges, grads, region, params)
+            continue
         handles = [n.register_prehook(lambda _, g=g: g) for n, g in clamp.items()]
         try:
             torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)

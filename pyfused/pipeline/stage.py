@@ -9,6 +9,13 @@ Between stages an activation is a tensor or a tuple of tensors: stage ``s`` retu
 ``s+1`` is called as ``submodule(*activation)``. The gradient sent back holds one tensor for each
 floating-point tensor of the activation (integer tensors such as token ids carry none).
 
+``gradient_accumulation_fusion`` (default True, as Megatron-LM's option of that name): a linear
+layer's weight gradient is accumulated into ``.grad`` inside its GEMM rather than formed and then
+added, on every microbatch (weight_accumulation.py); False runs plain autograd. Weights with
+gradient hooks (a data-parallel stage module's) are left to autograd either way. With
+``PYFUSED_LOG=debug`` the stage's first backward logs which weights are fused and why the others
+are not.
+
 Nothing here talks to other ranks: a stage computes, keeps each microbatch's inputs and outputs
 until its backward (or, when the schedule splits the backward, its input-gradient part B keeps the
 graph until the weight-gradient part W: split_backward.py), and validates what its module returns.
@@ -27,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from .._logging import logger
+from . import weight_accumulation
 from .split_backward import backward_input, backward_weight
 
 Metas = Tuple[comm.TensorMeta, ...]
@@ -72,8 +81,11 @@ class PipelineStage:
     """One stage of the pipeline (see the module docstring)."""
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
-                 device: torch.device | str, group=None, *, input_args=None, output_args=None):
+                 device: torch.device | str, group=None, *, input_args=None, output_args=None,
+                 gradient_accumulation_fusion: bool = True):
         self.submod = submodule
+        self.fuse_accumulation = gradient_accumulation_fusion
+        self._fusion_reported = not gradient_accumulation_fusion
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device)
@@ -199,17 +211,41 @@ class PipelineStage:
         if self.is_last:
             if st.loss is None:
                 raise RuntimeError("the last stage has no loss to backpropagate (loss_fn is None)")
-            torch.autograd.backward(st.loss * scale if scale != 1.0 else st.loss)
+            self._backward([st.loss * scale if scale != 1.0 else st.loss], [None])
         else:
             floating = [o for o in st.outputs if o.dtype.is_floating_point or o.dtype.is_complex]
             pairs = [(o, g) for o, g in zip(floating, output_grads) if o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self._backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.is_first:
             return (), st.buffers
         grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x)
                       for x in st.inputs if x.dtype.is_floating_point or x.dtype.is_complex)
         return grads, st.buffers
+
+    def _backward(self, tensors, grads) -> None:
+        if self.fuse_accumulation:
+            self._report_fusion(tensors)
+            weight_accumulation.backward(tensors, grads)
+        else:
+            torch.autograd.backward(tensors, grads)
+
+    def _report_fusion(self, tensors) -> None:
+        """Log (debug level), on the stage's first backward, which weights accumulate their
+        gradients inside their GEMMs and why the others do not."""
+        if self._fusion_reported:
+            return
+        self._fusion_reported = True
+        reasons: Dict[int, str] = {}
+        graph = weight_accumulation.reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
+        fusion = weight_accumulation.plan(graph, reasons=reasons)
+        fused = {id(w) for _, w in fusion.linear.values()}
+        names = [(n, id(p)) for n, p in self.submod.named_parameters() if p.requires_grad]
+        lines = [f"  {n}: not fused, {reasons[i]}" for n, i in names if i in reasons]
+        logger.debug("stage %d: %d of its parameters accumulate their gradients inside their "
+                     "GEMMs (%s)%s", self.stage_index, len(fused),
+                     ", ".join(n for n, i in names if i in fused) or "none",
+                     "".join("\n" + line for line in lines))
 
     def _backward_input(self, mb: int, st: _MicrobatchState, output_grads, scale: float, hold
                         ) -> Tuple[Tuple[torch.Tensor, ...], Tuple]:
@@ -222,7 +258,10 @@ class PipelineStage:
             outputs, grads = floating, list(output_grads)
         floating_in = [x for x in st.inputs if x.dtype.is_floating_point or x.dtype.is_complex]
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        input_grads, st.weight_work = backward_input(outputs, grads, floating_in, params)
+        if self.fuse_accumulation:
+            self._report_fusion(outputs)
+        input_grads, st.weight_work = backward_input(outputs, grads, floating_in, params,
+                                                     fuse=self.fuse_accumulation)
         # W starts from the kept frontier: the outputs and input leaves are no longer needed (the
         # graph keeps what W reads; the receive buffers stay out of the pool until W)
         st.inputs, st.outputs, st.loss = (), (), None
