@@ -15,8 +15,12 @@ The norm runs on the sequence shard in both SP models, and neither reduces its w
 the step (torch leaves a Partial DTensor, pyfused a per-rank partial, as Megatron does until the
 optimizer step). Both models are sharded from the same full layers; their outputs and input
 gradients are checked against each other before anything is timed, and the variants are then timed
-round-robin (``time_interleaved``). One step is: forward, ``backward`` of a fixed output gradient
-(the input requires grad, so the input-gradient collectives are counted).
+round-robin (``time_interleaved``). One step is: forward, then the backward of ``sum(y * g)`` for a
+fixed ``g`` (the gradient reaching ``y`` is ``g``; the input requires grad, so the input-gradient
+collectives are counted). The loss uses the block's output as a next layer would, so a collective
+that returns before its result is ready (DTensor's ``AsyncCollectiveTensor``) is waited for before
+the backward starts: with a bare ``y.backward(g)`` torch's forward all-reduce / reduce-scatter ran
+behind the whole backward, an overlap no model allows (its next layer needs the value).
 
 TFLOP/s counts the two GEMMs, forward and backward: 3 x 2 GEMMs x 2*S*H*F/W = 12*S*H*F/W per rank.
 Shapes: the Llama-3 MLP sizes of pyfused/bench/shapes.py scaled as there (the MLP uses F, not the fused
@@ -41,8 +45,9 @@ from . import shapes
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
 # Rounds outside --quick (at least --iters): a step moves by +-10% from round to round on a 2-core
-# CPU box, and the paired ratios' median needs about this many to hold still from run to run.
-ROUNDS = 20
+# CPU box (+-15% for the 8B shape's 35 ms steps), and the paired ratios' median needs about this
+# many to hold still from run to run.
+ROUNDS = 40
 
 
 @dataclass(frozen=True)
@@ -140,10 +145,8 @@ def auto_note(shape: MlpShape, ctx, sp: bool):
 
 
 def finish(y: torch.Tensor) -> torch.Tensor:
-    """Wait for the collective that produced ``y``. DTensor's local outputs are
-    ``AsyncCollectiveTensor``s whose collective is waited for only when the value is used; the
-    backward does not use the forward output, so without this a step would stop the clock before
-    torch's forward all-reduce / reduce-scatter finished."""
+    """Wait for the collective that produced ``y``: DTensor's local outputs are
+    ``AsyncCollectiveTensor``s whose collective is waited for only when the value is used."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return y.wait() if isinstance(y, AsyncCollectiveTensor) else y
@@ -170,14 +173,13 @@ def bench_variant(ctx, shape: MlpShape, sp: bool) -> List[Dict]:
                 p.grad = None
             x.grad = None
             y = model(x)
-            y.backward(grad)
-            finish(y)
+            (y * grad).sum().backward()  # uses y's value (module docstring)
         return step
 
     def forward_backward(model):
         x.grad = None
         y = model(x)
-        y.backward(grad)
+        (y * grad).sum().backward()
         return finish(y).detach().clone(), x.grad.detach().clone()
 
     label = f"{shape.label} {'SP' if sp else 'TP'}"
