@@ -18,6 +18,7 @@ from pyfused.bench.harness import (
     BenchContext,
     bandwidths,
     best_speedup,
+    interleaved_samples,
     median_interval,
     op_row,
     overlap_efficiency,
@@ -85,6 +86,40 @@ def test_paired_and_best_speedup():
     assert paired_speedup([4.0, 8.0], [8.0, 4.0]) == pytest.approx(1.25)  # mean of 0.5 and 2
     assert math.isnan(paired_speedup([], []))
     assert math.isnan(best_speedup([1.0], []))
+
+
+def test_rounds_run_with_collection_between_them():
+    """No automatic garbage collection inside a timed call; the young generations are collected
+    before each round (the objects a round left in them are gone by the next); the collector's
+    state comes back afterwards."""
+    import gc
+    import weakref
+
+    class Cyclic:
+        pass
+
+    seen, left = [], []
+
+    def call():
+        seen.append(gc.isenabled())
+        if left:  # last round's cycle: collected between the rounds
+            assert left[-1]() is None
+        obj = Cyclic()
+        obj.me = obj
+        left.append(weakref.ref(obj))
+
+    ctx = _ctx(1)
+    assert gc.isenabled()
+    samples = interleaved_samples({"a": call, "b": lambda: seen.append(gc.isenabled())}, ctx,
+                                  warmup=0, iters=4)
+    assert len(samples["a"]) == len(samples["b"]) == 4
+    assert seen == [False] * 8 and gc.isenabled()
+    gc.disable()
+    try:
+        interleaved_samples({"a": lambda: None}, ctx, warmup=0, iters=1)
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()
 
 
 def test_overlap_efficiency():

@@ -5,7 +5,11 @@ same way.
 Timing of a multi-rank call: every rank runs the same fixed number of iterations (an adaptive count
 could differ between ranks and hang a collective); each iteration starts after a barrier, is timed
 with CUDA events on GPU or ``perf_counter`` on CPU, and the iteration's time is the slowest rank's.
-The reported time is the median over iterations.
+The reported time is the median over iterations. Python's cyclic garbage collector is off while
+rounds are timed, with a young-generation collection before each round, as torchtitan's training
+loop runs it (``gc.disable()`` and ``gc.collect(1)`` every few steps): an automatic collection
+lands in whichever call crosses its allocation threshold, charging one candidate a pause that
+every candidate's garbage caused.
 
 Rows. A suite's ``run(ctx)`` returns a list of dicts, one per measured point. The CLI prints and
 writes them: the columns it knows (``ROW_COLUMNS``, which ``op_row`` fills) go into its table, every
@@ -23,7 +27,9 @@ is spent.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -156,6 +162,20 @@ def _run_timed(fn: Callable[[], Any], ctx: BenchContext) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+@contextlib.contextmanager
+def collection_between_rounds():
+    """Python's automatic garbage collection off inside the block (module docstring); yields the
+    function to call before each round, which collects the young generations. The collector's
+    state is restored at the end."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda: gc.collect(1)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _slowest_rank(times: List[float], ctx: BenchContext) -> List[float]:
     """Each iteration's time on the slowest rank (one all-reduce for the whole list)."""
     if ctx.world == 1:
@@ -194,9 +214,11 @@ def interleaved_samples(fns: Dict[str, Callable[[], Any]], ctx: BenchContext,
     synchronize(ctx.device)
     order = random.Random(len(names) * 1000 + iters)
     times: Dict[str, List[float]] = {name: [] for name in names}
-    for _ in range(iters):
-        for name in order.sample(names, len(names)):
-            times[name].append(_run_timed(fns[name], ctx))
+    with collection_between_rounds() as between_rounds:
+        for _ in range(iters):
+            between_rounds()
+            for name in order.sample(names, len(names)):
+                times[name].append(_run_timed(fns[name], ctx))
     flat = _slowest_rank([t for name in names for t in times[name]], ctx)
     if progress_hook is not None:
         for _ in names:
