@@ -160,8 +160,9 @@ PEERS = {"pyfused": "torch-ddp", "pyfused comm=bf16": "torch-ddp+bf16hook",
          "pyfused zero2": "torch-zero1"}
 FSDP2_PEER = {"pyfused zero2": "torch-fsdp2 zero2"}
 # Steps per variant outside --quick (at least --iters). A step's time on the 2-core CPU box moves
-# by +-15% from round to round, so the median of the paired ratios needs tens of rounds.
-ROUNDS = 40
+# by +-15% from round to round; the paired ratios' median moved by up to 9% between runs of 40
+# rounds, and its error falls as one over the root of the count.
+ROUNDS = 100
 
 
 def step_fn(model, opt, x, y, amp_dtype) -> Callable[[], None]:

@@ -73,9 +73,11 @@ SIZES = {  # (device type, quick) -> size; every dim divisible by up to 8 TP ran
 
 
 FAMILIES = ("llama", "phi3", "gemma2")
-# Rounds outside --quick (at least --iters): a step of the CPU size moves by +-15% from round to
-# round on a 2-core box; the paired ratios' median needs about this many to hold still.
-ROUNDS = 30
+# Rounds outside --quick (at least --iters): a step of the CPU size (25-90 ms, many small
+# collectives) takes anywhere between 0.6x and 1.5x its median on a 2-core box, and the paired
+# ratios' median moved by up to 16% between runs of 30 rounds; its error falls as one over the
+# root of the count.
+ROUNDS = 120
 # row -> the torch row it is timed against
 PEERS = {"pyfused-tp": "torch-tp", "pyfused-tp+sp": "torch-tp+sp"}
 

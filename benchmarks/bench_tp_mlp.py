@@ -45,9 +45,9 @@ from . import shapes
 MULTI_RANK = True
 METHODS = ("unfused", "decomposed", "fused", "auto")
 # Rounds outside --quick (at least --iters): a step moves by +-10% from round to round on a 2-core
-# CPU box (+-15% for the 8B shape's 35 ms steps), and the paired ratios' median needs about this
-# many to hold still from run to run.
-ROUNDS = 40
+# CPU box (+-15% for the 8B shape's 35 ms steps); the paired ratios' median moved by up to 13%
+# between runs of 40 rounds, and its error falls as one over the root of the count.
+ROUNDS = 80
 
 
 @dataclass(frozen=True)
