@@ -45,6 +45,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from . import weight_accumulation
+from .weight_accumulation import children, leads_to, reachable
 
 
 def _node(t: torch.Tensor) -> Optional[Node]:
@@ -56,51 +57,15 @@ def _node(t: torch.Tensor) -> Optional[Node]:
     return None
 
 
-def _children(node: Node) -> List[Node]:
-    return [n for n, _ in node.next_functions if n is not None]
-
-
 class WeightWork:
     """What B keeps for W: the frontier nodes, the gradients flowing into them, the parameters."""
 
     __slots__ = ("calls",)
 
     def __init__(self, calls):
-        # [(edges, grads, params, clamp)]: one torch.autograd.backward each
+        # [(edges, grads, params, clamp, region)]: one engine call each; region: the nodes
+        # it runs when its weight gradients are fused (weight_accumulation.py), else None
         self.calls = calls
-
-
-def _reachable_from(roots: Sequence[Node]) -> List[Node]:
-    seen: Set[Node] = set()
-    order, stack = [], list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        order.append(n)
-        stack.extend(_children(n))
-    return order
-
-
-def _leads_to(nodes: List[Node], targets: Set[Node]) -> Set[Node]:
-    """The subset of ``nodes`` from which some target is reachable (targets included)."""
-    memo: Dict[Node, bool] = {}
-
-    def visit(n: Node) -> bool:
-        stack = [(n, False)]
-        while stack:
-            cur, expanded = stack.pop()
-            if cur in memo:
-                continue
-            if expanded:
-                memo[cur] = cur in targets or any(memo.get(c, False) for c in _children(cur))
-                continue
-            stack.append((cur, True))
-            stack.extend((c, False) for c in _children(cur) if c not in memo)
-        return memo[n]
-
-    return {n for n in nodes if visit(n)}
 
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[Optional[torch.Tensor]],
@@ -111,11 +76,11 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[Optio
     pairs = [(o, g if g is not None else torch.ones_like(o))
              for o, g in zip(outputs, output_grads) if o.requires_grad]
     roots = [_node(o) for o, _ in pairs]
-    graph = _reachable_from(roots)
-    input_nodes = _leads_to(graph, {n for n in map(_node, inputs) if n is not None})
+    graph = reachable(roots)
+    input_nodes = leads_to(graph, {n for n in map(_node, inputs) if n is not None})
     param_nodes = {_node(p): p for p in params if p.requires_grad}
-    weighty = _leads_to(graph, set(param_nodes)) - input_nodes
-    frontier = [n for n in graph if n in input_nodes and any(c in weighty for c in _children(n))]
+    weighty = leads_to(graph, set(param_nodes)) - input_nodes
+    frontier = [n for n in graph if n in input_nodes and any(c in weighty for c in children(n))]
     kept: Dict[Node, Tuple] = {}
     handles = [n.register_prehook(lambda grads, n=n: kept.__setitem__(n, grads)) for n in frontier]
     wanted = [x for x in inputs if x.requires_grad and _node(x) in input_nodes]
@@ -149,13 +114,13 @@ def _plan_weight_calls(starts: Dict[Node, Tuple], input_nodes: Set[Node], weight
     own: Dict[Node, Set[Node]] = {}   # params reachable through weight-only nodes
     region: Dict[Node, List[Node]] = {}  # the nodes a call from n runs
     for n in starts:
-        first = [c for c in _children(n) if c in weighty] if n in input_nodes else [n]
-        region[n] = _reachable_from(first) + ([n] if n in input_nodes else [])
+        first = [c for c in children(n) if c in weighty] if n in input_nodes else [n]
+        region[n] = reachable(first) + ([n] if n in input_nodes else [])
         own[n] = {x for x in region[n] if x in param_nodes}
     deep: Dict[Node, Set[Node]] = {}  # params reachable through a node's input path
     for n in starts:
-        below = [c for c in _children(n) if c in input_nodes]
-        deep[n] = {x for x in _reachable_from(below) if x in param_nodes} if below else set()
+        below = [c for c in children(n) if c in input_nodes]
+        deep[n] = {x for x in reachable(below) if x in param_nodes} if below else set()
     # Frontier nodes whose own parameters are also reached through their input path share a call
     # with every frontier node holding those parameters.
     group = {n: n for n in starts}

@@ -26,6 +26,7 @@ happens inside the GEMM's accumulator instead of after it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -36,7 +37,8 @@ from torch.autograd.graph import GradientEdge, Node
 _WEIGHT_EDGE = {"AddmmBackward0": 2, "MmBackward0": 1}
 
 
-def _children(node: Node) -> List[Node]:
+def children(node: Node) -> List[Node]:
+    """The nodes a node's gradients flow into (its ``next_functions``)."""
     return [n for n, _ in node.next_functions if n is not None]
 
 
@@ -67,9 +69,15 @@ class FusedAccumulation:
         self.linear = linear    # node -> (weight edge index, weight)
         self.leaves = leaves
 
-    def hooks(self):
-        """Register the pre-hooks; returns their handles (remove them after the engine call)."""
-        return [n.register_prehook(_accumulate(n, k, w)) for n, (k, w) in self.linear.items()]
+    @contextlib.contextmanager
+    def hooked(self):
+        """The linear nodes' pre-hooks, registered for the engine call inside the block."""
+        handles = [n.register_prehook(_accumulate(n, k, w)) for n, (k, w) in self.linear.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _accumulate(node: Node, k: int, w: torch.Tensor):
@@ -99,7 +107,7 @@ def plan(region: Sequence[Node], allowed: Optional[Set[int]] = None,
     inside = set(region)
     parents: Dict[Node, List[Node]] = defaultdict(list)
     for n in region:
-        for c in _children(n):
+        for c in children(n):
             if c in inside:
                 parents[c].append(n)
     leaf_nodes = [n for n in region if _is_leaf_node(n)
@@ -142,7 +150,7 @@ def plan(region: Sequence[Node], allowed: Optional[Set[int]] = None,
                 if any(c in kept for c in others):  # a bias: the common case, no graph walk
                     continue
                 if runs is None:
-                    runs = _leads_to(region, inside, kept)
+                    runs = leads_to(region, kept, inside)
                 if not any(c in runs for c in others):
                     idle[acc] = others
                     break
@@ -151,7 +159,7 @@ def plan(region: Sequence[Node], allowed: Optional[Set[int]] = None,
         # Drop the idle weights nearest the graph's leaves first: leaving one of those to
         # autograd makes every layer above it run (a bias-free first layer whose input needs no
         # gradient stops only its own fusion, not that of the layers after it).
-        above = _leads_to(region, inside, set(idle))
+        above = leads_to(region, set(idle), inside)
         lowest = [acc for acc, others in idle.items() if not any(c in above for c in others)]
         for acc in lowest or idle:
             del fused[acc]
@@ -163,25 +171,28 @@ def plan(region: Sequence[Node], allowed: Optional[Set[int]] = None,
     return FusedAccumulation(linear, [n.variable for n in leaf_nodes if n not in fused])
 
 
-def _leads_to(region: Sequence[Node], inside: Set[Node], targets: Set[Node]) -> Set[Node]:
-    """The nodes of ``region`` from which a target is reachable inside the region."""
+def leads_to(nodes: Sequence[Node], targets: Set[Node],
+             inside: Optional[Set[Node]] = None) -> Set[Node]:
+    """The subset of ``nodes`` from which some target is reachable (targets included), following
+    only edges into ``inside`` when it is given."""
     memo: Dict[Node, bool] = {}
-    for root in region:
+    for root in nodes:
         stack = [(root, False)]
         while stack:
             cur, expanded = stack.pop()
             if cur in memo:
                 continue
-            kids = [c for c in _children(cur) if c in inside]
+            kids = [c for c in children(cur) if inside is None or c in inside]
             if expanded:
                 memo[cur] = cur in targets or any(memo.get(c, False) for c in kids)
                 continue
             stack.append((cur, True))
             stack.extend((c, False) for c in kids if c not in memo)
-    return {n for n, hit in memo.items() if hit}
+    return {n for n in nodes if memo[n]}
 
 
 def reachable(roots: Iterable[Node]) -> List[Node]:
+    """Every node reachable from ``roots`` (roots included), each once."""
     seen: Set[Node] = set()
     order, stack = [], list(roots)
     while stack:
@@ -190,7 +201,7 @@ def reachable(roots: Iterable[Node]) -> List[Node]:
             continue
         seen.add(n)
         order.append(n)
-        stack.extend(_children(n))
+        stack.extend(children(n))
     return order
 
 
@@ -202,25 +213,15 @@ def backward(tensors: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Ten
     if fusion is None or not fusion.linear:
         torch.autograd.backward(tensors, grads)
         return
-    handles = fusion.hooks()
-    try:
+    with fusion.hooked():
         torch.autograd.backward(tensors, grads, inputs=fusion.leaves)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def backward_from(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor],
                   region: Sequence[Node], params: Sequence[torch.Tensor]) -> None:
     """``torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)`` (a split
-    backward's W) with the fusion planned over ``region``, the nodes that call runs."""
+    backward's W) with the fusion planned over ``region``, the nodes that call runs (``params``
+    are the leaves of ``region`` it may accumulate into)."""
     fusion = plan(region, {id(p) for p in params})
-    if not fusion.linear:
-        torch.autograd.backward(edges, grads, retain_graph=True, inputs=list(params))
-        return
-    handles = fusion.hooks()
-    try:
+    with fusion.hooked():
         torch.autograd.backward(edges, grads, retain_graph=True, inputs=fusion.leaves)
-    finally:
-        for h in handles:
-            h.remove()
